@@ -1,0 +1,287 @@
+import gzip
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, marker, write_corpus
+from torch.utils.data import DataLoader
+
+import data_stream as ds
+
+
+def make_stream(corpus, tokenizer, **kw):
+    kw.setdefault("rank", 0)
+    kw.setdefault("world_size", 1)
+    kw.setdefault("batch_size", 4)
+    kw.setdefault("max_seq_len", 32)
+    return ds.BertPretrainStream(corpus, tokenizer, **kw)
+
+
+def loader(stream, num_workers):
+    return DataLoader(stream, batch_size=None, num_workers=num_workers)
+
+
+def run_ranks(corpus, tokenizer, world_size, num_workers, epoch=0, **kw):
+    """All batches of one epoch, per rank, in the order the trainer would see them."""
+    out = []
+    for rank in range(world_size):
+        stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
+        stream.set_epoch(epoch)
+        out.append(list(loader(stream, num_workers)))
+    return out
+
+
+def markers_per_shard(batches, tokenizer):
+    """mlm + no masking: the shard's token stream decoded -> the document markers in it."""
+    tokens = {}
+    special = set(tokenizer.all_special_ids)
+    for b in batches:
+        ids = [t for t in b["input_ids"].flatten().tolist() if t not in special]
+        tokens.setdefault(b["cursor"][0], []).extend(ids)
+    return {shard: re.findall(r"docstart((?: (?:zero|one|two|three|four|five|six|seven|eight|nine))+)",
+                              tokenizer.decode(t)) for shard, t in tokens.items()}
+
+
+@pytest.mark.parametrize("world_size,num_workers", [(2, 0), (2, 2), (3, 0), (3, 2)])
+def test_every_document_read_once_per_epoch(corpus, tokenizer, world_size, num_workers):
+    expected = sorted(marker(d)[len("docstart"):] for d in range(120))
+    orders = []
+    for epoch in (0, 1):
+        per_rank = run_ranks(corpus, tokenizer, world_size, num_workers, epoch, objective="mlm", mask_prob=0.0)
+        shards = {}
+        for batches in per_rank:
+            shards.update(markers_per_shard(batches, tokenizer))
+        assert len(shards) == world_size * max(num_workers, 1)  # every (rank, worker) had work
+        seen = [m for s in sorted(shards) for m in shards[s]]
+        assert sorted(seen) == expected  # no duplicates, no gaps
+        orders.append(seen)
+    assert orders[0] != orders[1]  # reshuffled every epoch
+    again = run_ranks(corpus, tokenizer, world_size, num_workers, 0, objective="mlm", mask_prob=0.0)
+    shards = {}
+    for batches in again:
+        shards.update(markers_per_shard(batches, tokenizer))
+    assert [m for s in sorted(shards) for m in shards[s]] == orders[0]  # deterministic
+
+
+def test_shards_are_byte_balanced_and_survive_few_documents():
+    sizes = np.random.default_rng(0).integers(10, 1000, 1000)
+    shards = ds.shard_documents(sizes, seed=1, epoch=0, num_shards=4)
+    assert sorted(np.concatenate(shards).tolist()) == list(range(1000))
+    loads = [sizes[s].sum() for s in shards]
+    assert max(loads) / min(loads) < 1.01
+    few = ds.shard_documents(np.array([5, 5]), seed=1, epoch=0, num_shards=6)
+    assert len(few) == 6 and sorted(np.concatenate(few).tolist()) == [0, 1]
+
+
+def test_fewer_documents_than_shards_ends_cleanly(tmp_path, tokenizer):
+    path = write_corpus(tmp_path / "two.txt", 2, min_sents=3, max_sents=5)
+    per_rank = run_ranks(path, tokenizer, world_size=3, num_workers=2)
+    counts = [len(b) for b in per_rank]
+    assert sum(counts) > 0 and min(counts) == 0  # some ranks hold nothing, nobody hangs
+
+
+def same_batches(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            if k == "cursor":
+                assert tuple(x[k]) == tuple(y[k])
+            else:
+                assert torch.equal(x[k], y[k]), k
+
+
+@pytest.mark.parametrize("objective", ["nsp", "mlm"])
+@pytest.mark.parametrize("num_workers", [0, 2, 3])
+def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective, num_workers):
+    kw = dict(objective=objective, world_size=2, rank=1, seed=3)
+    full = make_stream(corpus, tokenizer, **kw)
+    full.set_epoch(2)
+    reference = list(loader(full, num_workers))
+    assert len(reference) > 10
+    for k in (1, 5, len(reference) - 2):
+        first = make_stream(corpus, tokenizer, **kw)
+        first.set_epoch(2)
+        it = iter(loader(first, num_workers))
+        for _ in range(k):
+            first.consumed(next(it))
+        del it
+        state = first.state_dict()
+        resumed = make_stream(corpus, tokenizer, **kw)
+        resumed.load_state_dict(state)
+        rest = list(loader(resumed, num_workers))
+        same_batches(rest, reference[k:])
+
+
+def test_masking_statistics(corpus, tokenizer):
+    stream = make_stream(corpus, tokenizer, max_seq_len=64, batch_size=64, mask_prob=0.15)
+    plain = make_stream(corpus, tokenizer, max_seq_len=64, batch_size=64, mask_prob=0.0)
+    special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
+    n_cand = n_masked = n_mask_tok = n_same = 0
+    for b, p in zip(stream, plain, strict=True):
+        chosen = b["labels"] != -100
+        is_special = torch.isin(p["input_ids"], special)
+        assert not (chosen & is_special).any()  # [CLS]/[SEP]/[PAD] never masked
+        assert torch.equal(b["labels"][chosen], p["input_ids"][chosen])  # labels hold the original
+        assert torch.equal(b["attention_mask"], p["attention_mask"])
+        n_cand += int((~is_special).sum())
+        n_masked += int(chosen.sum())
+        n_mask_tok += int((b["input_ids"][chosen] == tokenizer.mask_token_id).sum())
+        n_same += int((b["input_ids"][chosen] == p["input_ids"][chosen]).sum())
+    assert n_masked > 5000
+    assert abs(n_masked / n_cand - 0.15) < 0.01
+    assert abs(n_mask_tok / n_masked - 0.8) < 0.02
+    assert abs(n_same / n_masked - 0.1) < 0.02  # 10% unchanged (+ a few random hits on itself)
+
+
+def test_nsp_samples_decode_to_the_source(corpus, tokenizer):
+    stream = make_stream(corpus, tokenizer, max_seq_len=48, mask_prob=0.0)
+    docs = [stream._tokenize(stream._read_lines(d)) for d in range(stream.num_docs)]
+    doc_text = [" " + " ".join(str(t) for s in segs for t in s) + " " for segs in docs]
+    n_random = n_total = 0
+    for b in stream:
+        for row in range(len(b["input_ids"])):
+            ids = b["input_ids"][row][b["attention_mask"][row].bool()].tolist()
+            types = b["token_type_ids"][row][: len(ids)].tolist()
+            assert ids[0] == tokenizer.cls_token_id and ids[-1] == tokenizer.sep_token_id
+            assert len(ids) <= 48
+            first_sep = ids.index(tokenizer.sep_token_id)
+            a, bb = ids[1:first_sep], ids[first_sep + 1:-1]
+            assert a and bb and types == [0] * (first_sep + 1) + [1] * (len(bb) + 1)
+            a_docs = {d for d, t in enumerate(doc_text) if " " + " ".join(map(str, a)) + " " in t}
+            b_docs = {d for d, t in enumerate(doc_text) if " " + " ".join(map(str, bb)) + " " in t}
+            assert a_docs and b_docs
+            is_random = int(b["next_sentence_label"][row])
+            if not is_random:
+                assert a_docs & b_docs
+            n_random += is_random
+            n_total += 1
+    assert 0.4 < n_random / n_total < 0.75  # 50% random + every one-sentence chunk
+
+
+def google_create_instances(seg_lens, max_num_tokens, short_seq_prob, doc_id, num_docs, rng):
+    """google-research/bert create_instances_from_document, structure only, written as they wrote it."""
+    target_seq_length = max_num_tokens
+    if rng.random() < short_seq_prob:
+        target_seq_length = int(rng.integers(2, max_num_tokens + 1))
+    out, current_chunk, current_length, i = [], [], 0, 0
+    while i < len(seg_lens):
+        current_chunk.append(i)
+        current_length += seg_lens[i]
+        if i == len(seg_lens) - 1 or current_length >= target_seq_length:
+            a_end = 1
+            if len(current_chunk) >= 2:
+                a_end = int(rng.integers(1, len(current_chunk)))
+            if len(current_chunk) == 1 or rng.random() < 0.5:
+                r = int(rng.random() * (num_docs - 1)) if num_docs > 1 else doc_id
+                r += num_docs > 1 and r >= doc_id
+                out.append((current_chunk[0], current_chunk[0] + a_end, current_chunk[0] + a_end, r, rng.random()))
+                i -= len(current_chunk) - a_end
+            else:
+                out.append((current_chunk[0], current_chunk[0] + a_end, current_chunk[-1] + 1, -1, 0.0))
+            current_chunk, current_length = [], 0
+        i += 1
+    return out
+
+
+def test_plan_pairs_follows_google():
+    gen = np.random.default_rng(0)
+    for trial in range(300):
+        lens = gen.integers(1, 60, gen.integers(1, 40)).tolist()
+        args = (lens, 125, 0.3, trial % 7, 7 if trial % 3 else 1)
+        ours = ds.plan_pairs(*args, np.random.default_rng(trial))
+        assert ours == google_create_instances(*args, np.random.default_rng(trial))
+        for a_start, a_end, b_end, random_doc, _ in ours:
+            assert a_start < a_end and (random_doc >= 0 or b_end > a_end)
+            assert random_doc != args[3] or args[4] == 1
+
+
+def test_truncate_pair_matches_bert_loop():
+    rng = np.random.default_rng(0)
+    for la in range(0, 40, 3):
+        for lb in range(1, 40, 4):
+            for m in (5, 16, 33):
+                a, b = list(range(la)), list(range(100, 100 + lb))
+                ra, rb = la, lb
+                while ra + rb > m:  # BERT: trim the longer (B on ties), one token at a time
+                    if ra > rb:
+                        ra -= 1
+                    else:
+                        rb -= 1
+                ta, tb = ds.truncate_pair(a, b, m, rng)
+                assert (len(ta), len(tb)) == (ra, rb)
+                assert ta == a[a.index(ta[0]):a.index(ta[0]) + ra] if ta else True
+
+
+def test_one_sentence_docs_and_overlong_sentences(tmp_path, tokenizer):
+    path = tmp_path / "odd.txt"
+    long_sentence = " ".join(["river stone"] * 400)
+    path.write_text(f"{long_sentence}\n\nonly one sentence here .\n\nanother single line .\n")
+    stream = make_stream(str(path), tokenizer, max_seq_len=32, mask_prob=0.0)
+    batches = list(stream)
+    lengths = [int(m.sum()) for b in batches for m in b["attention_mask"]]
+    assert max(lengths) <= 32 and max(lengths) == 32
+    assert all(int(x) == 1 for b in batches for x in b["next_sentence_label"])  # one chunk -> random B
+
+
+def test_gz_matches_plain(tmp_path, corpus, tokenizer):
+    gz = tmp_path / "corpus.txt.gz"
+    with open(corpus, "rb") as src, gzip.open(gz, "wb") as dst:
+        dst.write(src.read())
+    same_batches(list(make_stream(str(gz), tokenizer)), list(make_stream(corpus, tokenizer)))
+
+
+def test_ten_megabyte_line_in_bounded_pieces(tmp_path):
+    path = tmp_path / "huge.txt"
+    path.write_bytes(("é" * (5 << 20)).encode() + b"\n")  # 10 MB, 2-byte characters, no break
+    index = ds.index_documents([str(path)])
+    sizes = index["end"] - index["start"]
+    assert len(sizes) >= 10 and sizes.max() <= ds.MAX_DOC_BYTES + ds.MAX_LINE_BYTES
+    with open(path, "rb") as f:
+        f.seek(int(index["start"][3]))
+        lines = ds.split_lines(f.read(int(sizes[3])))
+    assert all(len(line) <= ds.MAX_LINE_BYTES for line in lines) and "\ufffd" not in "".join(lines)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "data_stream.py"), *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, tokenizer):
+    (tmp_path / "blank.txt").write_text("\n\n   \n")
+    (tmp_path / "nodocs").mkdir()
+    (tmp_path / "nodocs" / "image.png").write_bytes(b"\x89PNG")
+    cases = {str(tmp_path / "missing.txt"): "does not exist",
+             str(tmp_path / "*.nothing"): "matches no file",
+             str(tmp_path / "blank.txt"): "holds no text",
+             str(tmp_path / "nodocs"): "holds no .txt"}
+    tok_dir = str(tmp_path / "tok")
+    tokenizer.save_pretrained(tok_dir)
+    for corpus, message in cases.items():
+        result = run_cli("--corpus", corpus, "--tokenizer", tok_dir, "--show", "1")
+        assert result.returncode != 0
+        assert message in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    result = run_cli("--corpus", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path / "nodocs"))
+    assert result.returncode != 0 and "--tokenizer" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_non_utf8_is_replaced_and_counted(tmp_path, tokenizer):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("caf\xe9 au lait .\nna\xefve river .\n\nplain river stone .\n".encode("latin-1"))
+    with pytest.warns(UserWarning, match="2 line"):
+        stream = make_stream(str(path), tokenizer, mask_prob=0.0)
+    assert sum(len(b["input_ids"]) for b in stream) > 0
+
+
+def test_show_prints_decoded_samples(corpus, tmp_path, tokenizer):
+    tok_dir = str(tmp_path / "tok")
+    tokenizer.save_pretrained(tok_dir)
+    result = run_cli("--corpus", corpus, "--tokenizer", tok_dir, "--show", "3")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--- sample") == 3 and "[MASK]" in result.stdout
