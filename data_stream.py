@@ -331,9 +331,14 @@ def mask_tokens(ids, special_ids, mask_id, random_ids, mask_prob, rng):
     return ids, labels
 
 
-def shard_documents(doc_bytes, seed, epoch, num_shards, shuffle=True):
-    """The epoch's document order, cut into num_shards contiguous byte-balanced shards."""
+def shard_documents(doc_bytes, seed, epoch, num_shards, shuffle=True, exclude=None):
+    """The epoch's document order, cut into num_shards contiguous byte-balanced shards.
+    `exclude`: documents already read this epoch (a resume with another number of shards)."""
     order = np.random.default_rng([seed, epoch]).permutation(len(doc_bytes)) if shuffle else np.arange(len(doc_bytes))
+    if exclude is not None:
+        order = order[~np.isin(order, exclude)]
+    if len(order) == 0:
+        return [order] * num_shards
     cum = np.cumsum(doc_bytes[order])
     cuts = np.searchsorted(cum, cum[-1] * np.arange(1, num_shards) / num_shards, side="right")
     return np.split(order, cuts)
@@ -392,9 +397,9 @@ class BertPretrainStream(IterableDataset):
     def set_epoch(self, epoch):
         self.epoch, self.resume, self._consumed = epoch, None, None
 
-    def consumed(self, batch):
-        """Record that the trainer used `batch` (call on every batch taken from the loader)."""
-        shard, chunk, offset, num_shards = batch["cursor"]
+    def consumed(self, cursor):
+        """Record that the trainer used the batch with this cursor (call for every batch it trains on)."""
+        shard, chunk, offset, num_shards = cursor
         if self._consumed is None:
             self._consumed = {"epoch": self.epoch, "num_shards": num_shards, "positions": {}, "last_shard": None}
         self._consumed["positions"][str(shard)] = [chunk, offset]
@@ -527,19 +532,22 @@ class BertPretrainStream(IterableDataset):
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info else (1, 0)
         num_shards = self.world_size * num_workers
-        positions, rotate = {}, 0
-        if self.resume is not None and self.resume.get("num_shards"):
-            if self.resume["num_shards"] != num_shards:
-                raise CorpusError(f"the stream cursor was made with {self.resume['num_shards']} shards "
-                                  f"(ranks x workers), this run has {num_shards}")
+        positions, rotate, exclude = {}, 0, None
+        doc_bytes = self.index["end"] - self.index["start"]
+        if self.resume is not None and self.resume.get("num_shards") and self.resume["num_shards"] != num_shards:
+            # Resumed with other ranks x workers: the documents not yet started are re-sharded;
+            # a partly read chunk counts as read, so nothing is repeated in this epoch.
+            old = shard_documents(doc_bytes, self.seed, self.epoch, self.resume["num_shards"], self.shuffle)
+            exclude = np.concatenate([old[int(s)][:(chunk + (offset > 0)) * DOCS_PER_CHUNK]
+                                      for s, (chunk, offset) in self.resume["positions"].items()] or [[]])
+        elif self.resume is not None and self.resume.get("num_shards"):
             positions = self.resume["positions"]
             last = self.resume["last_shard"]
             # DataLoader takes batches round-robin from worker 0; the old run's next batch was
             # due from the worker after the last one consumed, so new worker i plays that role.
             rotate = (last - self.rank * num_workers + 1) % num_workers if last is not None else 0
         shard = self.rank * num_workers + (worker_id + rotate) % num_workers
-        shard_docs = shard_documents(self.index["end"] - self.index["start"], self.seed, self.epoch,
-                                     num_shards, self.shuffle)[shard]
+        shard_docs = shard_documents(doc_bytes, self.seed, self.epoch, num_shards, self.shuffle, exclude)[shard]
         chunk, offset = positions.get(str(shard), (0, 0))
         batch, pos = [], (chunk, offset)
         for sample, pos in self._samples(shard_docs, chunk, offset):

@@ -108,13 +108,39 @@ def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective
         first.set_epoch(2)
         it = iter(loader(first, num_workers))
         for _ in range(k):
-            first.consumed(next(it))
+            first.consumed(next(it)["cursor"])
         del it
         state = first.state_dict()
         resumed = make_stream(corpus, tokenizer, **kw)
         resumed.load_state_dict(state)
         rest = list(loader(resumed, num_workers))
         same_batches(rest, reference[k:])
+
+
+def test_resume_with_other_shard_count_repeats_nothing(corpus, tokenizer):
+    """2 ranks x 2 workers consumed part of an epoch; 3 ranks x 0 workers read the rest once."""
+    kw = dict(objective="mlm", mask_prob=0.0, seed=5)
+    consumed_markers, states = [], []
+    for rank in range(2):
+        stream = make_stream(corpus, tokenizer, rank=rank, world_size=2, **kw)
+        stream.set_epoch(1)
+        it, taken = iter(loader(stream, 2)), []
+        for _ in range(6):
+            batch = next(it)
+            stream.consumed(batch["cursor"])
+            taken.append(batch)
+        del it
+        consumed_markers += [m for ms in markers_per_shard(taken, tokenizer).values() for m in ms]
+        states.append(stream.state_dict())
+    merged = {**states[0], "positions": {**states[0]["positions"], **states[1]["positions"]}, "last_shard": None}
+    rest_markers = []
+    for rank in range(3):
+        stream = make_stream(corpus, tokenizer, rank=rank, world_size=3, **kw)
+        stream.load_state_dict(merged)
+        rest_markers += [m for ms in markers_per_shard(list(loader(stream, 0)), tokenizer).values() for m in ms]
+    assert len(rest_markers) == len(set(rest_markers))  # nothing twice in the rest...
+    assert not set(rest_markers) & set(consumed_markers)  # ...nor anything already trained on
+    assert len(set(rest_markers)) > 30  # and the rest really was read (partly read chunks are skipped)
 
 
 def test_masking_statistics(corpus, tokenizer):

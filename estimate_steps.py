@@ -1,0 +1,396 @@
+"""
+Predict how many samples and optimizer steps a corpus yields for given settings, before training,
+by asking data_stream.py's own code (its reader, tokenizer call, plan_pairs and shard_documents),
+never a re-implementation of sample creation.
+
+    python estimate_steps.py                                     # builtin corpus, the defaults
+    python estimate_steps.py --corpus my_texts/ --world-size 8 --num-workers 4 --batch-size 64 \
+        --accum-steps 2 --epochs 3 --json
+
+The trainer's rule, mirrored exactly:
+- the stream is cut into world_size x num_workers shards (num_workers 0 means one per rank), shard
+  rank * W + worker with W = max(num_workers, 1), each epoch by data_stream.shard_documents;
+- every worker yields ceil(its samples / batch_size) micro-batches, the last one partial;
+- an optimizer step needs accum_steps micro-batches on every rank, so an epoch has
+  min over ranks of floor(micro-batches / accum_steps) steps; what the ranks hold beyond that is unused.
+
+Two ways to count:
+- exact: tokenize every document once; nsp sample counts are taken for every epoch, because the
+  pairing RNG is keyed by (seed, epoch, document). Memory: a few numbers per document (x epochs).
+- sample: tokenize --sample-docs random documents, scale up by bytes (ratio estimator, 95% interval)
+  and simulate byte-balanced shards around the estimate (steps with a 95% interval).
+- auto (default): exact under 50 MB of text, else sample; the output says which one ran.
+
+The trainer calls `estimate(stream, ...)` on rank 0 with its own BertPretrainStream.
+"""
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+
+import numpy as np
+
+from data_stream import (
+    BertPretrainStream,
+    CorpusError,
+    add_data_args,
+    batches_per_rank,
+    doc_rng,
+    get_tokenizer,
+    plan_pairs,
+    resolve_corpus,
+    shard_documents,
+)
+
+AUTO_EXACT_BYTES = 50_000_000  # auto mode counts exactly below this much text (~1 min of tokenizing)
+SIMULATION_DRAWS = 1000      # sample mode: simulated epochs per estimate (percentiles need ~1000)
+SHARD_EPOCHS = 16            # sample mode: epochs whose real shard sizes are computed (an O(documents) pass each)
+SAMPLE_EPOCHS = 8            # sample mode, nsp: epochs counted per sampled document (their spread)
+PROGRESS_SECONDS = 5.0       # how often long counts report on stderr
+
+
+def check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs):
+    """Settings no count can fix -> ValueError naming the CLI flag (main prints it as one line)."""
+    for flag, value in (("--batch-size", batch_size), ("--accum-steps", accum_steps),
+                        ("--world-size", world_size), ("--epochs", epochs)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, not {value}")
+    if num_workers < 0:
+        raise ValueError(f"--num-workers must be 0 or more, not {num_workers}")
+    if mode not in ("auto", "exact", "sample"):
+        raise ValueError(f"--mode must be auto, exact or sample, not {mode!r}")
+    if not 0.0 <= warmup <= 1.0:
+        raise ValueError(f"--warmup is a fraction of the total steps, between 0 and 1, not {warmup}")
+    if sample_docs < 2:  # a variance needs two documents
+        raise ValueError(f"--sample-docs must be at least 2, not {sample_docs}")
+
+
+def progress_printer(enabled, total, what):
+    """A function to call with the count done so far; it prints to stderr every few seconds."""
+    t0 = last = time.perf_counter()
+
+    def tick(done):
+        nonlocal last
+        now = time.perf_counter()
+        if enabled and now - last >= PROGRESS_SECONDS:
+            last = now
+            eta = (total - done) * (now - t0) / max(done, 1)
+            print(f"estimate_steps: {what} {done:,}/{total:,} ({100 * done / total:.0f}%), "
+                  f"{now - t0:.0f} s, about {eta:.0f} s left", file=sys.stderr, flush=True)
+    return tick
+
+
+def count_documents(stream, doc_ids, epochs, progress):
+    """Per document: its sentences, its tokens, and its 'units' per epoch, the quantity that adds up
+    over a shard. nsp: samples, exactly as _nsp_samples plans them (they differ by epoch); mlm: tokens
+    plus the [SEP] that ends every document in the packed stream (the same every epoch)."""
+    nsp = stream.objective == "nsp"
+    units = np.zeros((epochs if nsp else 1, len(doc_ids)), np.int32)
+    sentences, tokens = np.zeros(len(doc_ids), np.int32), np.zeros(len(doc_ids), np.int32)
+    max_tokens = stream.max_seq_len - 3  # as in _nsp_samples: room for [CLS] A [SEP] B [SEP]
+    tick = progress_printer(progress, len(doc_ids), "documents tokenized")
+    for i, doc_id in enumerate(doc_ids.tolist()):
+        seg_lens = [len(s) for s in stream._tokenize(stream._read_lines(doc_id))]
+        sentences[i], tokens[i] = len(seg_lens), sum(seg_lens)
+        if nsp:
+            for epoch in range(epochs):
+                units[epoch, i] = len(plan_pairs(seg_lens, max_tokens, stream.short_seq_prob, doc_id, stream.num_docs,
+                                                 doc_rng(stream.seed, epoch, doc_id, 0)))
+        else:
+            units[0, i] = tokens[i] + 1
+        tick(i + 1)
+    return units, sentences, tokens
+
+
+def shard_samples_of(units, objective, max_seq_len):
+    """Units per shard -> samples per shard. mlm windows of max_seq_len - 2 tokens span chunks
+    (see _samples), so only the shard's last window is partial."""
+    return units if objective == "nsp" else -(-units // (max_seq_len - 2))
+
+
+def samples_in_first_batches(worker_samples, batch_size, k):
+    """Samples in the first k micro-batches of one rank. DataLoader takes batches round-robin from
+    its workers, skipping finished ones, so batch j of worker w comes in the order (j, w); each
+    worker's last batch may be partial."""
+    num_batches = [-(-n // batch_size) for n in worker_samples]
+    total = k * batch_size
+    for w, (n, nb) in enumerate(zip(worker_samples, num_batches, strict=True)):
+        if n % batch_size:
+            j = nb - 1  # the partial batch's round
+            position = sum(min(j, x) for x in num_batches) + sum(x > j for x in num_batches[:w])
+            if position < k:
+                total -= batch_size - n % batch_size
+    return total
+
+
+def epoch_summary(shard_samples, world_size, batch_size, accum_steps):
+    """One epoch's numbers from its exact per-shard sample counts (shard = rank * W + worker)."""
+    per_rank = [[int(n) for n in row] for row in np.asarray(shard_samples).reshape(world_size, -1)]
+    micro = [batches_per_rank(row, batch_size) for row in per_rank]
+    steps = min(micro) // accum_steps
+    used = sum(samples_in_first_batches(row, batch_size, steps * accum_steps) for row in per_rank)
+    rank_samples = [sum(row) for row in per_rank]
+    return {"samples": sum(rank_samples), "steps": steps,
+            "samples_per_rank_min": min(rank_samples), "samples_per_rank_max": max(rank_samples),
+            "micro_batches_per_rank_min": min(micro), "micro_batches_per_rank_max": max(micro),
+            "unused_samples": sum(rank_samples) - used}
+
+
+def ratio_total(y, x, x_total, population):
+    """Ratio estimator of a total of y over `population` documents of x_total bytes, from a simple
+    random sample of them with byte sizes x: x_total * sum(y) / sum(x), samples (or tokens) per
+    byte scaled up. Returns it and its standard error (Cochran's, from the residuals y - ratio * x,
+    with the finite-population correction: 0 when every document was read)."""
+    y, x, n = np.asarray(y, float), np.asarray(x, float), len(y)
+    if n == 0 or n == population:
+        return float(y.sum()), 0.0
+    ratio = y.sum() / x.sum()
+    resid_sd = float(np.std(y - ratio * x, ddof=1))
+    return float(ratio * x_total), population * math.sqrt((1 - n / population) / n) * resid_sd
+
+
+def simulate_epochs(units_total, units_se, epoch_sd, shard_sd, shard_bytes, objective, max_seq_len, world_size,
+                    batch_size, accum_steps, epochs, seed):
+    """Sample mode's steps: epochs of shards around the estimated total.
+
+    Each draw takes a corpus total from the estimate's error (the same for all its epochs); every
+    epoch moves it by the documents' RNG (epoch_sd) and splits it by the shards' real byte sizes
+    (shard_bytes, epochs x shards: shards are cut at documents, so a few huge documents unbalance
+    them), and each shard is off its bytes' share by the documents it happens to hold (shard_sd for
+    an average shard). The slowest rank, not the average one, decides an epoch's steps.
+    """
+    rng = np.random.default_rng([seed, 7])  # same answer every run
+    draws, num_shards = SIMULATION_DRAWS, shard_bytes.shape[1]
+    totals = rng.normal(units_total, units_se, draws)
+    out = {k: np.zeros((draws, epochs)) for k in ("samples", "steps", "samples_per_rank_min", "samples_per_rank_max",
+                                                  "micro_batches_per_rank_min", "micro_batches_per_rank_max",
+                                                  "unused_samples")}
+    for epoch in range(epochs):
+        share = shard_bytes[epoch % len(shard_bytes)] / shard_bytes[0].sum()
+        epoch_totals = totals + rng.normal(0.0, epoch_sd, draws)
+        noise = rng.normal(0.0, shard_sd, (draws, num_shards)) * np.sqrt(share * num_shards)
+        noise -= noise.mean(1, keepdims=True)  # the shards share the epoch's total
+        units = np.maximum(np.rint(epoch_totals[:, None] * share + noise), 0).astype(np.int64)
+        per_rank = shard_samples_of(units, objective, max_seq_len).reshape(draws, world_size, -1)
+        micro = (-(-per_rank // batch_size)).sum(2)
+        steps = micro.min(1) // accum_steps
+        rank_samples = per_rank.sum(2)
+        # Treats the consumed micro-batches as full: off by under one batch per worker of a rank.
+        used = np.minimum(rank_samples, (steps * accum_steps * batch_size)[:, None]).sum(1)
+        for key, value in (("samples", rank_samples.sum(1)), ("steps", steps),
+                           ("samples_per_rank_min", rank_samples.min(1)), ("samples_per_rank_max", rank_samples.max(1)),
+                           ("micro_batches_per_rank_min", micro.min(1)), ("micro_batches_per_rank_max", micro.max(1)),
+                           ("unused_samples", rank_samples.sum(1) - used)):
+            out[key][:, epoch] = value
+    return out
+
+
+def exact_counts(stream, world_size, num_workers, batch_size, accum_steps, epochs, progress):
+    """Every document tokenized once; every epoch's shards summed exactly."""
+    doc_bytes = stream.index["end"] - stream.index["start"]
+    num_shards = world_size * max(num_workers, 1)
+    units, sentences, tokens = count_documents(stream, np.arange(stream.num_docs), epochs, progress)
+    per_epoch = []
+    for epoch in range(epochs):
+        shards = shard_documents(doc_bytes, stream.seed, epoch, num_shards, stream.shuffle)
+        u = units[epoch if stream.objective == "nsp" else 0]
+        shard_units = np.array([u[s].sum(dtype=np.int64) for s in shards])
+        shard_samples = shard_samples_of(shard_units, stream.objective, stream.max_seq_len)
+        per_epoch.append({"epoch": epoch, **epoch_summary(shard_samples, world_size, batch_size, accum_steps)})
+    first, total_steps = per_epoch[0], sum(e["steps"] for e in per_epoch)
+    return {"sentences": int(sentences.sum(dtype=np.int64)), "tokens": int(tokens.sum(dtype=np.int64)),
+            "docs_read": stream.num_docs,
+            **{k: v for k, v in first.items() if k not in ("epoch", "samples", "steps")},
+            "samples_per_epoch": first["samples"], "samples_per_epoch_ci": [first["samples"]] * 2,
+            "steps_per_epoch": first["steps"], "steps_per_epoch_ci": [first["steps"]] * 2,
+            "total_steps": total_steps, "total_steps_ci": [total_steps] * 2, "per_epoch": per_epoch}
+
+
+def sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epochs, sample_docs, progress):
+    """sample_docs documents tokenized, scaled up to the corpus by bytes, steps simulated.
+
+    The sample_docs // 10 largest documents are always read: a corpus's few huge documents (a book
+    among articles) would otherwise dominate the error, and its estimate, whenever they are missed or
+    hit. The rest of the budget is a seeded uniform sample of the other documents, from every file.
+    """
+    doc_bytes = stream.index["end"] - stream.index["start"]
+    num_docs, num_shards = len(doc_bytes), world_size * max(num_workers, 1)
+    by_size = np.argsort(doc_bytes, kind="stable")
+    cut = num_docs - min(sample_docs // 10, num_docs)
+    largest, rest = by_size[cut:], by_size[:cut]
+    rng = np.random.default_rng([stream.seed, 5])
+    drawn = rng.choice(rest, min(sample_docs - len(largest), len(rest)), replace=False)
+    ids = np.sort(np.concatenate([largest, drawn]))  # sorted: every file is read front to back, not by seeks
+    is_largest = np.isin(ids, largest)
+    rest_bytes, x = int(doc_bytes[rest].sum()), doc_bytes[ids]
+    # nsp: each sampled document is counted over several epochs' RNG, which averages out its
+    # luck (a short target length on a long document makes many samples) and measures it.
+    units, sentences, tokens = count_documents(stream, ids, SAMPLE_EPOCHS, progress)
+
+    def total(y):  # the largest documents exactly, the rest by the ratio estimator
+        est, se = ratio_total(y[~is_largest], x[~is_largest], rest_bytes, len(rest))
+        return float(y[is_largest].sum()) + est, se
+
+    def sum_over_corpus(v):  # of a per-document quantity: the largest exactly, the rest scaled by count
+        return float(v[is_largest].sum()) + (len(rest) * float(v[~is_largest].mean()) if len(rest) else 0.0)
+
+    units_total, units_se = total(units.mean(0))  # an epoch's expected units
+    # An epoch's total moves by the sum of the documents' epoch-to-epoch variances; a shard's share
+    # by the documents it holds, each off its bytes' share by one epoch's residual.
+    epoch_var = sum_over_corpus(units.var(0, ddof=1)) if len(units) > 1 else 0.0
+    shard_var = sum_over_corpus(((units - units_total / doc_bytes.sum() * x) ** 2).mean(0)) / num_shards
+    # Shard sizes need only the index; past SHARD_EPOCHS epochs they repeat (their spread is what matters).
+    shard_bytes = np.array([[doc_bytes[s].sum() for s in shard_documents(doc_bytes, stream.seed, epoch, num_shards,
+                                                                         stream.shuffle)]
+                            for epoch in range(min(epochs, SHARD_EPOCHS))], float)
+    sim = simulate_epochs(units_total, units_se, math.sqrt(epoch_var), math.sqrt(shard_var), shard_bytes,
+                          stream.objective, stream.max_seq_len, world_size, batch_size, accum_steps, epochs,
+                          stream.seed)
+    totals = sim["steps"].sum(1)
+
+    def mid(v):
+        return int(np.median(v))
+
+    def ci(v):
+        return [float(q) for q in np.percentile(v, [2.5, 97.5])]
+
+    return {"sentences": round(total(sentences)[0]), "tokens": round(total(tokens)[0]), "docs_read": len(ids),
+            **{k: mid(v) for k, v in sim.items() if k not in ("samples", "steps")},
+            "samples_per_epoch": mid(sim["samples"]), "samples_per_epoch_ci": ci(sim["samples"]),
+            "steps_per_epoch": mid(sim["steps"]), "steps_per_epoch_ci": ci(sim["steps"]),
+            "total_steps": mid(totals), "total_steps_ci": ci(totals), "per_epoch": None}
+
+
+def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, mode="auto", warmup=0.0,
+             sample_docs=2000, progress=False):
+    """Samples and optimizer steps that `stream` (a BertPretrainStream: its corpus, tokenizer,
+    objective, max_seq_len, seed, short_seq_prob, shuffle; not its batch_size or rank) yields when
+    trained with these settings. Returns a JSON-serialisable dict.
+
+    `*_per_epoch` and the per-rank values are epoch 0's in exact mode (`per_epoch` lists every
+    epoch) and an epoch's median in sample mode; `*_ci` are 95% intervals (one point in exact mode).
+    warmup_steps = round(warmup * total_steps), Python's round (half to even).
+    """
+    check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs)
+    t0 = time.perf_counter()
+    num_docs, total_bytes = stream.num_docs, int((stream.index["end"] - stream.index["start"]).sum())
+    num_shards = world_size * max(num_workers, 1)
+    if mode == "auto":
+        mode = "exact" if total_bytes < AUTO_EXACT_BYTES or num_docs <= sample_docs else "sample"
+        reason = (f"auto: {total_bytes / 1e6:.1f} MB of text, {num_docs:,} documents; "
+                  f"exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB or {sample_docs:,} documents")
+    else:
+        reason = f"--mode {mode}"
+    # A copy with its own file handles: the trainer's stream must not fork DataLoader workers
+    # holding files opened here (forked handles share one file offset, so their reads would race).
+    view = copy.copy(stream)
+    view._open_files = {}
+    try:
+        if mode == "exact":
+            result = exact_counts(view, world_size, num_workers, batch_size, accum_steps, epochs, progress)
+        else:
+            result = sample_counts(view, world_size, num_workers, batch_size, accum_steps, epochs, sample_docs,
+                                   progress)
+    finally:
+        for f in view._open_files.values():
+            f.close()
+    note = None
+    epoch_steps = [e["steps"] for e in result["per_epoch"]] if result["per_epoch"] else [result["steps_per_epoch"]]
+    if min(epoch_steps) == 0:
+        if result["samples_per_rank_min"] == 0:
+            why = (f"a rank gets no samples ({num_docs:,} documents over {num_shards} shards = "
+                   f"ranks x workers): use fewer ranks/workers or a bigger corpus")
+        else:
+            why = (f"the smallest rank gets {result['micro_batches_per_rank_min']:,} micro-batch(es) "
+                   f"({result['samples_per_rank_min']:,} samples), fewer than --accum-steps {accum_steps}: "
+                   f"lower --batch-size, --accum-steps or --world-size")
+        note = f"0 optimizer steps in an epoch: {why}"
+    return {"mode": mode, "mode_reason": reason, "seconds": round(time.perf_counter() - t0, 2),
+            "files": len(stream.files), "documents": num_docs, "bytes": total_bytes,
+            "objective": stream.objective, "max_seq_len": stream.max_seq_len, "world_size": world_size,
+            "num_workers": num_workers, "num_shards": num_shards, "batch_size": batch_size,
+            "accum_steps": accum_steps, "epochs": epochs, **result,
+            "warmup": warmup, "warmup_steps": round(warmup * result["total_steps"]), "note": note}
+
+
+def format_report(r):
+    """The human-readable table of an estimate() result."""
+    def num(v):
+        return f"{v:,.0f}"
+
+    def extra(key, ci_key=None):
+        if r["mode"] == "sample" and ci_key:
+            lo, hi = r[ci_key]
+            return f"95% interval {num(lo)} .. {num(hi)}"
+        if r["per_epoch"] and r["epochs"] > 1:
+            values = [e[key] for e in r["per_epoch"]]
+            return f"epochs 0-{r['epochs'] - 1}: {num(min(values))} .. {num(max(values))}"
+        return ""
+
+    approx = "~" if r["mode"] == "sample" else ""
+    sampled = f", {r['docs_read']:,} documents read" if r["mode"] == "sample" else ""
+    lines = [f"{label:<32}{text}" for label, text in (
+        ("mode", f"{r['mode']} ({r['mode_reason']}{sampled}), {r['seconds']:.1f} s"),
+        ("corpus", f"{r['files']} file(s), {r['documents']:,} documents, {r['bytes'] / 1e6:.1f} MB, "
+                   f"{approx}{r['sentences']:,} sentences, {approx}{r['tokens']:,} tokens"),
+        ("setting", f"{r['objective']}, max_seq_len {r['max_seq_len']}, {r['world_size']} rank(s) x "
+                    f"{r['num_workers']} worker(s) = {r['num_shards']} shard(s), batch {r['batch_size']}/rank, "
+                    f"accum {r['accum_steps']}, {r['epochs']} epoch(s)"))]
+    rows = [
+        ("samples per epoch", num(r["samples_per_epoch"]), extra("samples", "samples_per_epoch_ci")),
+        ("samples per rank min/max", f"{num(r['samples_per_rank_min'])} / {num(r['samples_per_rank_max'])}",
+         extra("samples_per_rank_min")),
+        ("micro-batches per rank min/max",
+         f"{num(r['micro_batches_per_rank_min'])} / {num(r['micro_batches_per_rank_max'])}",
+         extra("micro_batches_per_rank_min")),
+        ("optimizer steps per epoch", num(r["steps_per_epoch"]), extra("steps", "steps_per_epoch_ci")),
+        ("total steps", num(r["total_steps"]), extra(None, "total_steps_ci") if r["mode"] == "sample" else ""),
+        ("warmup steps", num(r["warmup_steps"]), f"round({r['warmup']} x total steps)"),
+        ("unused samples per epoch", num(r["unused_samples"]), extra("unused_samples")),
+    ]
+    lines += [f"{label:<32}{value:>17}  {more}".rstrip() for label, value, more in rows]
+    if r["mode"] == "exact" and r["epochs"] > 1:
+        lines.append("(per-epoch rows are epoch 0; the right column is the range over epochs)")
+    if r["note"]:
+        lines.append(f"note: {r['note']}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="Predict the samples and optimizer steps of a pretraining run.")
+    add_data_args(parser)
+    parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-batch, per rank")
+    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--world-size", type=int, default=1, help="DDP ranks")
+    parser.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank (0: one shard/rank)")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the corpus")
+    parser.add_argument("--warmup", type=float, default=0.01, help="warmup as a fraction of the total steps")
+    parser.add_argument("--mode", default="auto", choices=["auto", "exact", "sample"],
+                        help=f"exact: tokenize everything; sample: scale up --sample-docs documents; "
+                             f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text")
+    parser.add_argument("--sample-docs", type=int, default=2000, help="documents that sample mode reads")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    args = parser.parse_args(argv)
+    try:  # before any corpus work: a wrong flag should fail in a second
+        check_settings(args.world_size, args.num_workers, args.batch_size, args.accum_steps, args.epochs,
+                       args.mode, args.warmup, args.sample_docs)
+    except ValueError as e:
+        sys.exit(f"estimate_steps.py: error: {e}")
+    try:
+        tokenizer = get_tokenizer(args.tokenizer, resolve_corpus(args.corpus), args.vocab_size)
+        stream = BertPretrainStream(args.corpus, tokenizer, objective=args.objective, max_seq_len=args.max_seq_len,
+                                    batch_size=args.batch_size, mask_prob=args.mask_prob,
+                                    short_seq_prob=args.short_seq_prob, seed=args.seed, rank=0,
+                                    world_size=args.world_size)
+        result = estimate(stream, args.world_size, args.num_workers, args.batch_size, args.accum_steps, args.epochs,
+                          mode=args.mode, warmup=args.warmup, sample_docs=args.sample_docs, progress=True)
+    except CorpusError as e:
+        sys.exit(f"estimate_steps.py: error: {e}")
+    print(json.dumps(result, indent=2) if args.json else format_report(result))
+
+
+if __name__ == "__main__":
+    main()

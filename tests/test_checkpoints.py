@@ -1,0 +1,227 @@
+"""Checkpoints: atomic saves, exact resume after SIGKILL, damaged checkpoints, torchrun restarts,
+safe loading, Hugging Face export. Every process is bounded by a timeout."""
+import glob
+import hashlib
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import ROOT
+from test_pretrain_ddp import SCRIPT, env, summary
+
+import pretrain_ddp as P
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
+def common(corpus, tok_dir, out):
+    return [SCRIPT, "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out,
+            "--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--log-to", "stdout"]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tokenizer, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def processes_of(out_dir):
+    """pids of every process whose command line names out_dir (torchrun starts its workers in
+    sessions of their own, so a process group does not reach them)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if out_dir.encode() in cmdline.split(b"\0"):
+            pids.append(int(pid))
+    return pids
+
+
+def kill_all(proc, cmd):
+    out_dir = cmd[cmd.index("--out-dir") + 1]
+    for pid in [proc.pid, *processes_of(out_dir)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_until(cmd, kill_at=None, timeout=240):
+    """Run cmd; with kill_at (a regex), SIGKILL all its processes (as a crash would) once stdout matches."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True)
+    fired = []
+    timer = threading.Timer(timeout, lambda: (fired.append(1), kill_all(proc, cmd)))
+    timer.start()
+    lines, err = [], []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
+    reader.start()
+    for line in proc.stdout:
+        lines.append(line)
+        if kill_at and re.search(kill_at, line):
+            kill_all(proc, cmd)
+            break
+    proc.wait()
+    timer.cancel()
+    reader.join()
+    while kill_at and processes_of(cmd[cmd.index("--out-dir") + 1]):  # reaped by now, or soon
+        time.sleep(0.1)
+    assert not fired, f"timed out after {timeout} s (a hang?): {''.join(lines)[-2000:]}"
+    return proc.returncode, "".join(lines), "".join(err)
+
+
+def final_weights(out):
+    latest = open(os.path.join(out, "checkpoints", "latest")).read()
+    return torch.load(os.path.join(out, "checkpoints", latest, "trainer.pt"), weights_only=True)["model"]
+
+
+def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, corpus, tok_dir):
+    # ~33 steps per epoch: the run crosses an epoch boundary (reshuffle, new loaders) at ~33.
+    args = ["--num-workers", "2", "--batch-size", "8", "--accum-steps", "2", "--epochs", "2", "--save-every", "4",
+            "--max-steps", "44"]
+    ref = str(tmp_path / "ref")
+    rc, out, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, ref), *args])
+    assert rc == 0, err[-3000:]
+    assert "epoch 0 ended at step 3" in out
+    run = str(tmp_path / "killed")
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, run), *args]
+    rc, out, _ = run_until(cmd, kill_at=r"^step 6:")  # between two saves
+    assert rc != 0 and "step 6:" in out
+    rc, out, _ = run_until(cmd, kill_at=r"^step 3[7-9]:")  # after the epoch boundary
+    assert rc != 0 and "resumed from" in out
+    # Damage the newest checkpoint and leave a half-written one behind, as a kill during a save would.
+    ckpts = sorted(glob.glob(os.path.join(run, "checkpoints", "step_*")))
+    with open(os.path.join(ckpts[-1], "trainer.pt"), "r+b") as f:
+        f.seek(200)
+        f.write(b"\x00garbage\x00")
+    os.makedirs(os.path.join(run, "checkpoints", ".tmp-step_000099"))
+    with open(os.path.join(run, "checkpoints", ".tmp-step_000099", "trainer.pt"), "wb") as f:
+        f.write(b"half a file")
+    rc, out, err = run_until(cmd)
+    assert rc == 0, err[-3000:]
+    assert "is damaged (trainer.pt does not match its checksum)" in err
+    assert f"resumed from {ckpts[-2]}" in out  # the previous complete one
+    a, b = final_weights(ref), final_weights(run)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert summary(run)["steps"] == summary(ref)["steps"] == 44
+    assert summary(run)["samples_seen"] == summary(ref)["samples_seen"]
+
+
+def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
+            "--keep-last", "2"]
+    rc, _, err = run_until([*base, "--max-steps", "9"])
+    assert rc == 0, err[-3000:]
+    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert names == ["latest", "step_000008", "step_000009"]
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_000009"
+    # Starting the finished run again: resumes at its end, saves the same step again, fine.
+    rc, stdout, err = run_until([*base, "--max-steps", "9", "--log-every", "5"])
+    assert rc == 0 and "resumed from" in stdout, err[-3000:]
+    rc, _, err = run_until([*base, "--max-steps", "9", "--max-seq-len", "64"])
+    assert rc == 2 and "max_seq_len (checkpoint 32, now 64)" in err and "Traceback" not in err
+    rc, _, err = run_until([*base, "--resume", "none"])
+    assert rc == 2 and "holds checkpoints" in err
+    # Another world size: a warning, then the rest of the run.
+    rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *base[1:], "--max-steps", "12"])
+    assert rc == 0, err[-3000:]
+    assert "no longer bit-exact" in err and summary(out)["steps"] == 12
+    rc, stdout, err = run_until([*base, "--resume", "none", "--overwrite", "--max-steps", "3"])
+    assert rc == 0 and summary(out)["steps"] == 3
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002", "step_000003"]
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ['PWNED_PATH']}",))
+
+
+def test_loading_never_executes_pickled_code(tmp_path, monkeypatch):
+    pwned = tmp_path / "pwned"
+    monkeypatch.setenv("PWNED_PATH", str(pwned))
+    ckpt = tmp_path / "step_000001"
+    ckpt.mkdir()
+    for name in ("trainer.pt", "ranks.pt"):
+        (ckpt / name).write_bytes(pickle.dumps({"model": Exploit()}))
+    digests = {n: hashlib.sha256((ckpt / n).read_bytes()).hexdigest() for n in ("trainer.pt", "ranks.pt")}
+    (ckpt / "manifest.json").write_text(json.dumps({"meta": {}, "sha256": digests}))
+    loaded, problem = P.read_checkpoint(str(ckpt))
+    assert loaded is None and problem and not pwned.exists()
+    for path in glob.glob(os.path.join(ROOT, "*.py")):  # and no other load path exists
+        for line in open(path):
+            if "torch.load(" in line:
+                assert "weights_only=True" in line, (path, line)
+
+
+def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "2", *common(corpus, tok_dir, out),
+           "--num-workers", "0", "--save-every", "3", "--max-steps", "14"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True)
+    killed = False
+    timer = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
+    reader.start()
+    stdout = []
+    for line in proc.stdout:
+        stdout.append(line)
+        if not killed and line.startswith("step 7:"):
+            for pid in processes_of(out):  # one worker dies: rank 1 of this run
+                try:
+                    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                except OSError:
+                    continue
+                if b"RANK=1" in environ:
+                    os.kill(pid, signal.SIGKILL)
+                    killed = True
+    proc.wait()
+    timer.cancel()
+    reader.join()
+    assert killed and proc.returncode == 0, "".join(err)[-3000:]
+    assert "resumed from" in "".join(stdout)
+    assert summary(out)["steps"] == 14
+
+
+def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    rc, _, err = run_until([sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--max-steps", "3"])
+    assert rc == 0, err[-3000:]
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
+    hf_dir = os.path.join(out, "hf")
+    mlm = AutoModelForMaskedLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    fill = pipeline("fill-mask", model=mlm, tokenizer=tokenizer)
+    answers = fill("the river [MASK] the stone .")
+    assert len(answers) == 5 and all("token_str" in a for a in answers)
+    # The exported model's MLM logits are the training model's (whose head runs sparsely).
+    import data_stream
+    trained = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.1, tokenizer.pad_token_id))
+    trained.hf.load_state_dict(final_weights(out))
+    trained.eval()
+    stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=8, rank=0, world_size=1)
+    batch, _, _ = P.prepare(next(iter(stream)), torch.device("cpu"))
+    with torch.no_grad():
+        full = mlm(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                   attention_mask=batch["attention_mask"]).logits
+        hidden = trained.hf.bert(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                                 attention_mask=batch["attention_mask"]).last_hidden_state
+        sparse = trained.hf.cls.predictions(hidden.flatten(0, 1)[batch["masked_pos"]])
+        sums = trained(**batch)
+    assert torch.allclose(full.flatten(0, 1)[batch["masked_pos"]], sparse, atol=1e-5)
+    expected = torch.nn.functional.cross_entropy(sparse, batch["masked_targets"], reduction="sum")
+    assert torch.allclose(sums[0], expected, atol=1e-4)

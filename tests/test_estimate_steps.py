@@ -1,0 +1,162 @@
+"""estimate_steps.py against the real stream: its exact counts must equal what DataLoaders yield."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, write_corpus
+from torch.utils.data import DataLoader
+
+import data_stream as ds
+import estimate_steps as es
+
+SKEW = [300] + [2, 2, 1] * 13  # one document holds most of the bytes: shards are very uneven
+
+
+def stream_of(corpus, tokenizer, **kw):
+    kw.setdefault("max_seq_len", 32)
+    return ds.BertPretrainStream(corpus, tokenizer, rank=kw.pop("rank", 0), world_size=kw.pop("world_size", 1), **kw)
+
+
+def real_batches(corpus, tokenizer, world_size, num_workers, epochs, batch_size, **kw):
+    """[epoch][rank] -> the sizes of the micro-batches that rank's DataLoader yields, in order."""
+    streams = [stream_of(corpus, tokenizer, rank=r, world_size=world_size, batch_size=batch_size, **kw)
+               for r in range(world_size)]
+    out = []
+    for epoch in range(epochs):
+        for s in streams:
+            s.set_epoch(epoch)
+        out.append([[len(b["input_ids"]) for b in DataLoader(s, batch_size=None, num_workers=num_workers)]
+                    for s in streams])
+    return out
+
+
+def check_against_stream(corpus, tokenizer, world_size, num_workers, objective, batch_size, epochs):
+    real = real_batches(corpus, tokenizer, world_size, num_workers, epochs, batch_size, objective=objective)
+    stream = stream_of(corpus, tokenizer, objective=objective, batch_size=999, world_size=7)  # both ignored
+    for accum in (1, 2, 3):
+        r = es.estimate(stream, world_size, num_workers, batch_size, accum, epochs, mode="exact", warmup=0.1)
+        assert r["mode"] == "exact" and len(r["per_epoch"]) == epochs
+        for epoch, (ranks, got) in enumerate(zip(real, r["per_epoch"], strict=True)):
+            steps = min(len(b) for b in ranks) // accum  # every rank needs a full window of accum
+            used = sum(sum(b[:steps * accum]) for b in ranks)
+            want = {"samples": sum(map(sum, ranks)), "steps": steps,
+                    "samples_per_rank_min": min(map(sum, ranks)), "samples_per_rank_max": max(map(sum, ranks)),
+                    "micro_batches_per_rank_min": min(map(len, ranks)),
+                    "micro_batches_per_rank_max": max(map(len, ranks)),
+                    "unused_samples": sum(map(sum, ranks)) - used}
+            assert {k: got[k] for k in want} == want, (epoch, accum)
+        total = sum(min(len(b) for b in ranks) // accum for ranks in real)
+        assert r["total_steps"] == total and r["warmup_steps"] == round(0.1 * total)
+        assert r["samples_per_epoch"] == sum(map(sum, real[0])) and r["steps_per_epoch"] == r["per_epoch"][0]["steps"]
+    assert stream._open_files == {}  # the trainer's stream must not fork workers with files opened by us
+    return real
+
+
+@pytest.mark.parametrize("world_size,num_workers,objective,batch_size,epochs", [
+    (1, 0, "nsp", 4, 2), (2, 2, "nsp", 8, 1), (3, 0, "mlm", 4, 2), (4, 2, "mlm", 16, 1),
+    (4, 0, "nsp", 16, 2), (3, 2, "nsp", 4, 1), (2, 2, "mlm", 32, 2)])
+def test_exact_equals_the_stream(corpus, tokenizer, world_size, num_workers, objective, batch_size, epochs):
+    real = check_against_stream(corpus, tokenizer, world_size, num_workers, objective, batch_size, epochs)
+    assert sum(map(len, real[0])) >= 8  # enough batches for the comparison to mean something
+
+
+@pytest.mark.parametrize("world_size,num_workers,objective,batch_size,epochs", [
+    (2, 2, "nsp", 4, 2), (3, 0, "mlm", 4, 1), (4, 2, "nsp", 4, 1), (2, 0, "mlm", 2, 2)])
+def test_exact_equals_the_stream_on_uneven_shards(tmp_path_factory, tokenizer, world_size, num_workers, objective,
+                                                   batch_size, epochs):
+    path = tmp_path_factory.getbasetemp() / "skew.txt"
+    if not path.exists():
+        write_corpus(path, len(SKEW), seed=5, skew=SKEW)
+    real = check_against_stream(str(path), tokenizer, world_size, num_workers, objective, batch_size, epochs)
+    sizes = [sum(b) for ranks in real for b in ranks]
+    assert max(sizes) > 3 * min(sizes)  # really uneven
+
+
+def test_sample_mode_interval_holds_the_exact_answer(tmp_path, tokenizer):
+    path = write_corpus(tmp_path / "big.txt", 3000, seed=11)
+    for objective, world_size, num_workers, max_rel_err in (("nsp", 4, 2, 0.03), ("mlm", 1, 0, 0.01)):
+        stream = stream_of(path, tokenizer, objective=objective, max_seq_len=64)
+        kw = dict(world_size=world_size, num_workers=num_workers, batch_size=8, accum_steps=2, epochs=2)
+        exact = es.estimate(stream, mode="exact", **kw)
+        sample = es.estimate(stream, mode="sample", sample_docs=500, **kw)
+        assert sample["mode"] == "sample" and sample["docs_read"] == 500 and sample["per_epoch"] is None
+        for key in ("total_steps", "samples_per_epoch"):
+            lo, hi = sample[f"{key}_ci"]
+            assert lo <= exact[key] <= hi, (objective, key, exact[key], lo, hi)
+            assert (hi - lo) / exact[key] < 0.1  # an interval that says something
+            assert abs(sample[key] / exact[key] - 1) < max_rel_err, (objective, key, sample[key], exact[key])
+        assert abs(sample["tokens"] / exact["tokens"] - 1) < 0.02
+        assert abs(sample["sentences"] / exact["sentences"] - 1) < 0.02
+
+
+def test_impossible_settings_give_zero_steps_and_a_note(corpus, tokenizer):
+    stream = stream_of(corpus, tokenizer)
+    r = es.estimate(stream, world_size=2, num_workers=0, batch_size=100_000, accum_steps=2, epochs=2, warmup=0.5)
+    assert (r["steps_per_epoch"], r["total_steps"], r["warmup_steps"]) == (0, 0, 0)
+    assert r["micro_batches_per_rank_min"] == 1 and "--accum-steps 2" in r["note"]
+    r = es.estimate(stream, world_size=200, num_workers=0, batch_size=1, accum_steps=1, epochs=1)
+    assert r["total_steps"] == 0 and r["samples_per_rank_min"] == 0 and "no samples" in r["note"]
+    assert es.estimate(stream, 1, 0, 4, 1, 1)["note"] is None
+    assert "note:" in es.format_report(r) and "\n" not in r["note"]
+
+
+def run_cli(*args):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "estimate_steps.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, out, err
+
+
+def test_cli_json_and_table(corpus, tokenizer, tmp_path):
+    tok_dir = str(tmp_path / "tok")
+    tokenizer.save_pretrained(tok_dir)
+    common = ["--corpus", corpus, "--tokenizer", tok_dir, "--max-seq-len", "32", "--world-size", "2",
+              "--num-workers", "2", "--epochs", "2", "--warmup", "0.1"]
+    as_json = run_cli(*common, "--batch-size", "4", "--accum-steps", "2", "--json")
+    as_table = run_cli(*common, "--batch-size", "100000", "--accum-steps", "3", "--mode", "exact")
+    code, out, err = finish(as_json)
+    assert code == 0, err
+    r = json.loads(out)
+    want = es.estimate(stream_of(corpus, tokenizer), 2, 2, 4, 2, 2, warmup=0.1)
+    assert r["mode"] == "exact" and r["mode_reason"].startswith("auto:")
+    for key in ("samples_per_epoch", "steps_per_epoch", "total_steps", "warmup_steps", "documents", "sentences",
+                "tokens", "samples_per_rank_min", "samples_per_rank_max", "micro_batches_per_rank_min",
+                "micro_batches_per_rank_max", "unused_samples", "per_epoch", "total_steps_ci"):
+        assert r[key] == want[key], key
+    assert r["total_steps"] > 10 and r["warmup_steps"] == round(0.1 * r["total_steps"])
+    code, out, err = finish(as_table)
+    assert code == 0, err
+    rows = {line[:32].strip(): line[32:].strip() for line in out.splitlines()}  # label column, then value
+    assert rows["total steps"] == "0" and rows["mode"].startswith("exact (--mode exact")
+    assert "note: 0 optimizer steps" in out and "Traceback" not in err
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, tokenizer):
+    (tmp_path / "blank.txt").write_text("\n\n  \n")
+    tok_dir = str(tmp_path / "tok")
+    tokenizer.save_pretrained(tok_dir)
+    flags = ["--tokenizer", tok_dir]
+    cases = {("--corpus", str(tmp_path / "missing.txt"), *flags): "does not exist",
+             ("--corpus", str(tmp_path / "blank.txt"), *flags): "holds no text",
+             ("--corpus", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path)): "--tokenizer",
+             ("--batch-size", "0"): "--batch-size must be at least 1",
+             ("--epochs", "0"): "--epochs must be at least 1"}
+    procs = {args: run_cli(*args) for args in cases}  # in parallel: each pays for importing torch
+    for args, message in cases.items():
+        code, _, err = finish(procs[args])
+        assert code != 0 and message in err and "Traceback" not in err, (args, err)
+        assert len(err.strip().splitlines()) == 1 and err.startswith("estimate_steps.py: error:"), err
+    for args, message in ((["--accum-steps", "0"], "--accum-steps must be at least 1"),
+                          (["--world-size", "-1"], "--world-size must be at least 1"),
+                          (["--num-workers", "-1"], "--num-workers must be 0 or more"),
+                          (["--warmup", "1.5"], "--warmup is a fraction"),
+                          (["--sample-docs", "1"], "--sample-docs must be at least 2")):
+        with pytest.raises(SystemExit) as e:  # checked before any corpus work
+            es.main(args)
+        assert str(e.value.code).startswith(f"estimate_steps.py: error: {message}")
+        assert "\n" not in str(e.value.code)
