@@ -466,8 +466,12 @@ def main(argv=None):
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     amp_dtype = choose_amp_dtype(args, device)
     if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
-                                if device.type == "cuda" else None)
+        # torchrun's restarts (--max-restarts) reuse its store, and a restarted rank could read the
+        # dead group's addresses and fail to connect (seen with torch 2.13): keep attempts apart.
+        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+                                 next(dist.rendezvous("env://"))[0])
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                                world_size=world_size, device_id=device if device.type == "cuda" else None)
     # The per-step control all_reduce runs on the CPU (gloo) even under nccl: reading its result
     # then never waits for the GPU, which keeps queueing kernels ahead of the host.
     ctrl_group = dist.new_group(backend="gloo") if world_size > 1 and device.type == "cuda" else None

@@ -172,7 +172,7 @@ def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
                             start_new_session=True)
     killed = False
-    timer = threading.Timer(300, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer = threading.Timer(300, lambda: kill_all(proc, cmd))
     timer.start()
     err = []
     reader = threading.Thread(target=lambda: err.extend(proc.stderr))
