@@ -226,9 +226,9 @@ def prepare(batch, device):
 
 
 def quiet_worker(worker_id):
-    """Ctrl-C reaches the whole process group: workers leave the stop to the trainer. (SIGTERM
-    stays: it is how the DataLoader ends its workers.)"""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """Ctrl-C and torchrun's SIGTERM go to a whole process group: a worker leaves it, so the trainer
+    decides when to stop (the DataLoader still ends its workers, and they exit if the trainer dies)."""
+    os.setpgrp()
 
 
 def make_loader(stream, num_workers, device):
@@ -704,8 +704,8 @@ def main(argv=None):
                 cursors.append(raw.pop("cursor"))
                 batch, n_masked, n_tokens = prepare(raw, device)
                 window.append(batch)
-                masked, samples, tokens = masked + n_masked, samples + len(batch["input_ids"]), tokens + n_tokens
-                flops += train_flops(hf_model.config, batch)
+                masked, samples = masked + n_masked, samples + len(batch["input_ids"])
+                tokens, flops = tokens + n_tokens, flops + train_flops(hf_model.config, batch)
                 if len(window) == args.accum_steps:
                     break
             interval["wait"] += time.perf_counter() - t_wait

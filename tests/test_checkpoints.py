@@ -225,3 +225,31 @@ def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
     assert torch.allclose(full.flatten(0, 1)[batch["masked_pos"]], sparse, atol=1e-5)
     expected = torch.nn.functional.cross_entropy(sparse, batch["masked_targets"], reduction="sum")
     assert torch.allclose(sums[0], expected, atol=1e-4)
+
+
+def test_sigterm_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, out), "--num-workers", "1",
+           "--save-every", "1000", "--max-steps", "100000", "--epochs", "50"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
+                            start_new_session=True)
+    timer = threading.Timer(200, lambda: kill_all(proc, cmd))
+    timer.start()
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
+    reader.start()
+    stdout = []
+    for line in proc.stdout:
+        stdout.append(line)
+        if line.startswith("step 5:"):
+            proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+    proc.wait()
+    timer.cancel()
+    reader.join()
+    text = "".join(stdout)
+    stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", text).group(1))
+    s = summary(out)
+    assert s["stopped_by_signal"] and s["steps"] == stopped_at >= 5
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step_{stopped_at:06d}"
+    rc, again, err2 = run_until([*cmd, "--max-steps", str(stopped_at + 2)])
+    assert rc == 0 and f"at step {stopped_at}," in again and summary(out)["steps"] == stopped_at + 2, err2[-2000:]
