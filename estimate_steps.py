@@ -265,7 +265,7 @@ def sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epoc
 
 
 def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, mode="auto", warmup=0.0,
-             sample_docs=2000, progress=False):
+             sample_docs=10000, progress=False):
     """Samples and optimizer steps that `stream` (a BertPretrainStream: its corpus, tokenizer,
     objective, max_seq_len, seed, short_seq_prob, shuffle; not its batch_size or rank) yields when
     trained with these settings. Returns a JSON-serialisable dict.
@@ -371,7 +371,7 @@ def main(argv=None):
     parser.add_argument("--mode", default="auto", choices=["auto", "exact", "sample"],
                         help=f"exact: tokenize everything; sample: scale up --sample-docs documents; "
                              f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text")
-    parser.add_argument("--sample-docs", type=int, default=2000, help="documents that sample mode reads")
+    parser.add_argument("--sample-docs", type=int, default=10000, help="documents that sample mode reads")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     try:  # before any corpus work: a wrong flag should fail in a second
