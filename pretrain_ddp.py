@@ -540,7 +540,8 @@ def main(argv=None):
     ckpt_root = os.path.join(out_dir, "checkpoints")
     resumed = None
     if args.resume == "none":
-        if find_checkpoint(ckpt_root)[0] and not args.overwrite:
+        if os.path.isdir(ckpt_root) and any(d.startswith("step_") for d in os.listdir(ckpt_root)) \
+                and not args.overwrite:
             fail(f"--out-dir {out_dir} holds checkpoints: --resume auto continues from them, "
                  "--overwrite deletes them, or choose another --out-dir")
     else:
@@ -772,8 +773,8 @@ def main(argv=None):
               f"effective batch {effective}, max seq len {args.max_seq_len}")
         print(f"iterations {steps_run}, time taken {elapsed:.1f} s, micro-batches/hour "
               f"{steps_per_hour * args.accum_steps:,.0f} => effective batches/hour {steps_per_hour:,.0f}")
-        print(f"estimated total time for the planned {total_steps} steps: {eta_h:.2f} h; at step {step}, "
-              f"{tokens_run / max(elapsed, 1e-9):,.0f} tokens/s"
+        print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
+              f"{eta_h:.2f} h; {tokens_run / max(elapsed, 1e-9):,.0f} tokens/s"
               + (f", MFU {flops_run / max(elapsed, 1e-9) / (peak * world_size):.1%}" if peak else ""))
         summary = {"steps": step, "planned_steps": total_steps, "epochs_done": epochs_done,
                    "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,

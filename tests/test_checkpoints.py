@@ -57,8 +57,9 @@ def kill_all(proc, cmd):
             pass
 
 
-def run_until(cmd, kill_at=None, timeout=240):
-    """Run cmd; with kill_at (a regex), SIGKILL all its processes (as a crash would) once stdout matches."""
+def run_until(cmd, on_line=None, timeout=240):
+    """Run cmd, calling on_line(line, proc) for each stdout line (True: stop reading); a run past
+    timeout is killed and fails the test. Returns (exit code, stdout, stderr)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
                             start_new_session=True)
     fired = []
@@ -69,16 +70,26 @@ def run_until(cmd, kill_at=None, timeout=240):
     reader.start()
     for line in proc.stdout:
         lines.append(line)
-        if kill_at and re.search(kill_at, line):
-            kill_all(proc, cmd)
+        if on_line and on_line(line, proc):
             break
     proc.wait()
     timer.cancel()
     reader.join()
-    while kill_at and processes_of(cmd[cmd.index("--out-dir") + 1]):  # reaped by now, or soon
+    deadline = time.time() + 30
+    while processes_of(cmd[cmd.index("--out-dir") + 1]) and time.time() < deadline:  # killed ones are reaped
         time.sleep(0.1)
     assert not fired, f"timed out after {timeout} s (a hang?): {''.join(lines)[-2000:]}"
     return proc.returncode, "".join(lines), "".join(err)
+
+
+def crash_at(pattern):
+    """on_line for run_until: SIGKILL every process of the run (as a crash would) once stdout matches."""
+    def on_line(line, proc):
+        if re.search(pattern, line):
+            kill_all(proc, proc.args)
+            return True
+        return False
+    return on_line
 
 
 def final_weights(out):
@@ -96,9 +107,9 @@ def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, corpus, tok_dir
     assert "epoch 0 ended at step 3" in out
     run = str(tmp_path / "killed")
     cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, run), *args]
-    rc, out, _ = run_until(cmd, kill_at=r"^step 6:")  # between two saves
+    rc, out, _ = run_until(cmd, crash_at(r"^step 6:"))  # between two saves
     assert rc != 0 and "step 6:" in out
-    rc, out, _ = run_until(cmd, kill_at=r"^step 3[7-9]:")  # after the epoch boundary
+    rc, out, _ = run_until(cmd, crash_at(r"^step 3[7-9]:"))  # after the epoch boundary
     assert rc != 0 and "resumed from" in out
     # Damage the newest checkpoint and leave a half-written one behind, as a kill during a save would.
     ckpts = sorted(glob.glob(os.path.join(run, "checkpoints", "step_*")))
@@ -169,17 +180,9 @@ def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     cmd = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "2", *common(corpus, tok_dir, out),
            "--num-workers", "0", "--save-every", "3", "--max-steps", "14"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
-                            start_new_session=True)
-    killed = False
-    timer = threading.Timer(300, lambda: kill_all(proc, cmd))
-    timer.start()
-    err = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
-    reader.start()
-    stdout = []
-    for line in proc.stdout:
-        stdout.append(line)
+    killed = []
+
+    def kill_rank1(line, proc):
         if not killed and line.startswith("step 7:"):
             for pid in processes_of(out):  # one worker dies: rank 1 of this run
                 try:
@@ -188,12 +191,12 @@ def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
                     continue
                 if b"RANK=1" in environ:
                     os.kill(pid, signal.SIGKILL)
-                    killed = True
-    proc.wait()
-    timer.cancel()
-    reader.join()
-    assert killed and proc.returncode == 0, "".join(err)[-3000:]
-    assert "resumed from" in "".join(stdout)
+                    killed.append(pid)
+        return False
+
+    rc, stdout, err = run_until(cmd, kill_rank1, timeout=300)
+    assert killed and rc == 0, err[-3000:]
+    assert "resumed from" in stdout
     assert summary(out)["steps"] == 14
 
 
@@ -231,22 +234,12 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, t
     out = str(tmp_path / "run")
     cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, out), "--num-workers", "1",
            "--save-every", "1000", "--max-steps", "100000", "--epochs", "50"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
-                            start_new_session=True)
-    timer = threading.Timer(200, lambda: kill_all(proc, cmd))
-    timer.start()
-    err = []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
-    reader.start()
-    stdout = []
-    for line in proc.stdout:
-        stdout.append(line)
+    def stop_at_step_5(line, proc):
         if line.startswith("step 5:"):
             proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
-    proc.wait()
-    timer.cancel()
-    reader.join()
-    text = "".join(stdout)
+        return False
+
+    _, text, _ = run_until(cmd, stop_at_step_5, timeout=200)
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", text).group(1))
     s = summary(out)
     assert s["stopped_by_signal"] and s["steps"] == stopped_at >= 5
