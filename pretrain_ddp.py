@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch per rank")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--epochs", type=int, default=5, help="passes over the corpus, reshuffled each time")
+    p.add_argument("--epochs", type=int, default=3, help="passes over the corpus, reshuffled each time")
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps; default: the whole --epochs (estimated)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
