@@ -8,7 +8,7 @@ Ours: `pretrain_ddp.py --objective mlm` run as a subprocess (its real loop: Data
 prepare, train_step, MLM head on masked rows only), timed from its per-step log lines after
 --warmup steps. Trainer: BertForMaskedLM (the same build_model config) on run_mlm's recipe:
 lines tokenized with [CLS]/[SEP], concatenated, cut into max_seq_len blocks (group_texts),
-DataCollatorForLanguageModeling(mlm_probability=0.15), AdamW (torch, not fused, like ours), fp32,
+DataCollatorForLanguageModeling(mlm_probability=0.15), AdamW (torch fused: the Trainer default, like ours), fp32,
 timed with a TrainerCallback from the end of step --warmup to the end of the last step.
 Both count non-pad tokens, use the same thread count (OMP_NUM_THREADS) and the same dropout.
 The two sides alternate, one fresh process each, --repeats times; ratios are per repeat.
@@ -134,7 +134,7 @@ def trainer_worker(args):
         output_dir=os.path.join(args.out_dir, "trainer_tmp"), per_device_train_batch_size=args.batch_size,
         max_steps=total, learning_rate=1e-3, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.98, adam_epsilon=1e-6,
         warmup_steps=max(1, round(0.06 * total)), lr_scheduler_type="linear", max_grad_norm=1.0,
-        optim="adamw_torch", use_cpu=True, dataloader_num_workers=0, logging_strategy="no", save_strategy="no",
+        optim="adamw_torch_fused", use_cpu=True, dataloader_num_workers=0, logging_strategy="no", save_strategy="no",
         report_to="none", disable_tqdm=True, seed=0)
     trainer = Trainer(model=model, args=targs, train_dataset=blocks, data_collator=collate, callbacks=[Timer()])
     trainer.train()
