@@ -441,11 +441,19 @@ class BertPretrainStream(IterableDataset):
             start += 8
         return tokens or [self.tokenizer.unk_token_id]
 
+    def segments(self, doc_id):
+        """A document's sentences as token lists (empty ones dropped): what samples are made of."""
+        return self._tokenize(self._read_lines(doc_id))
+
+    def pair_plans(self, seg_lens, doc_id, epoch):
+        """The nsp samples of a document in an epoch (plan_pairs); estimate_steps.py counts these."""
+        return plan_pairs(seg_lens, self.max_seq_len - 3, self.short_seq_prob, doc_id, self.num_docs,
+                          doc_rng(self.seed, epoch, doc_id, 0))
+
     def _nsp_samples(self, doc_id):
-        segs = self._tokenize(self._read_lines(doc_id))
-        max_tokens = self.max_seq_len - 3
-        plans = plan_pairs([len(s) for s in segs], max_tokens, self.short_seq_prob, doc_id, self.num_docs,
-                           doc_rng(self.seed, self.epoch, doc_id, 0))
+        segs = self.segments(doc_id)
+        max_tokens = self.max_seq_len - 3  # room for [CLS] A [SEP] B [SEP]
+        plans = self.pair_plans([len(s) for s in segs], doc_id, self.epoch)
         trunc_rng, mask_rng = doc_rng(self.seed, self.epoch, doc_id, 1), doc_rng(self.seed, self.epoch, doc_id, 2)
         samples = []
         for a_start, a_end, b_end, random_doc, frac in plans:
@@ -466,7 +474,7 @@ class BertPretrainStream(IterableDataset):
         """The packed token stream of some documents: sentences back to back, [SEP] after each doc."""
         tokens = []
         for doc_id in doc_ids:
-            tokens += [t for s in self._tokenize(self._read_lines(doc_id)) for t in s] + [self.sep_id]
+            tokens += [t for s in self.segments(doc_id) for t in s] + [self.sep_id]
         return tokens
 
     def _collate(self, samples, cursor):

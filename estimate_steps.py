@@ -38,9 +38,7 @@ from data_stream import (
     CorpusError,
     add_data_args,
     batches_per_rank,
-    doc_rng,
     get_tokenizer,
-    plan_pairs,
     resolve_corpus,
     shard_documents,
 )
@@ -90,15 +88,13 @@ def count_documents(stream, doc_ids, epochs, progress):
     nsp = stream.objective == "nsp"
     units = np.zeros((epochs if nsp else 1, len(doc_ids)), np.int32)
     sentences, tokens = np.zeros(len(doc_ids), np.int32), np.zeros(len(doc_ids), np.int32)
-    max_tokens = stream.max_seq_len - 3  # as in _nsp_samples: room for [CLS] A [SEP] B [SEP]
     tick = progress_printer(progress, len(doc_ids), "documents tokenized")
     for i, doc_id in enumerate(doc_ids.tolist()):
-        seg_lens = [len(s) for s in stream._tokenize(stream._read_lines(doc_id))]
+        seg_lens = [len(s) for s in stream.segments(doc_id)]
         sentences[i], tokens[i] = len(seg_lens), sum(seg_lens)
         if nsp:
             for epoch in range(epochs):
-                units[epoch, i] = len(plan_pairs(seg_lens, max_tokens, stream.short_seq_prob, doc_id, stream.num_docs,
-                                                 doc_rng(stream.seed, epoch, doc_id, 0)))
+                units[epoch, i] = len(stream.pair_plans(seg_lens, doc_id, epoch))
         else:
             units[0, i] = tokens[i] + 1
         tick(i + 1)

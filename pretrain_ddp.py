@@ -480,6 +480,13 @@ def main(argv=None):
     ctrl_group = dist.new_group(backend="gloo") if world_size > 1 and device.type == "cuda" else None
     master = rank == 0
 
+    def from_rank0(obj):
+        """Rank 0's obj on every rank (small Python objects: plans, names, error messages)."""
+        box = [obj]
+        if world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=ctrl_group)
+        return box[0]
+
     def rank0_first(fn):
         """Run fn on rank 0 first (it builds caches: corpus, tokenizer), then on the others.
         A user error on rank 0 reaches every rank, so none waits in a collective for ever."""
@@ -490,10 +497,8 @@ def main(argv=None):
                     result = fn()
                 except data_stream.CorpusError as e:
                     error = str(e)
-            if world_size > 1 and turn == 0:
-                box = [error]
-                dist.broadcast_object_list(box, src=0, group=ctrl_group)
-                error = box[0]
+            if turn == 0:
+                error = from_rank0(error)
             if error:
                 fail(error)
         return result
@@ -520,24 +525,14 @@ def main(argv=None):
                 print(f"warning: no evaluation: --eval-corpus {eval_corpus}: {e}", file=sys.stderr)
     elif master and args.eval_corpus is None:
         print("warning: no evaluation: give --eval-corpus for a held-out set", file=sys.stderr)
-    plan = None
-    if master:
-        plan = planned_steps(args, stream, world_size)
-    if world_size > 1:
-        box = [plan]
-        dist.broadcast_object_list(box, src=0, group=ctrl_group)
-        plan = box[0]
-    total_steps, estimate = plan
+    total_steps, estimate = from_rank0(planned_steps(args, stream, world_size) if master else None)
 
     # --- the out dir and the checkpoint to resume from
     out_dir = args.out_dir
     if out_dir is None:
         # torchrun's restarts (--max-restarts) keep the run id, so they find the same out dir and resume.
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        box = [f"runs/run-{run_id}" if run_id != "none" else time.strftime("runs/%Y%m%d-%H%M%S")]
-        if world_size > 1:
-            dist.broadcast_object_list(box, src=0, group=ctrl_group)
-        out_dir = box[0]
+        out_dir = from_rank0(f"runs/run-{run_id}" if run_id != "none" else time.strftime("runs/%Y%m%d-%H%M%S"))
     ckpt_root = os.path.join(out_dir, "checkpoints")
     resumed = None
     if args.resume == "none":
@@ -640,7 +635,8 @@ def main(argv=None):
 
     # --- the loop
     peak = peak_flops(device, amp_dtype)
-    step, epoch, epochs_done, samples_seen, tokens_seen, flops_done = 0, 0, 0, 0, 0, 0.0
+    # epoch counts the epochs whose data ran out: a run stopped by --max-steps or a signal is inside it
+    step, epoch, samples_seen, tokens_seen, flops_done = 0, 0, 0, 0, 0.0
     interval.update(sums=None, masked=0, samples=0, tokens=0, flops=0.0, wait=0.0, t0=time.perf_counter())
     unused_per_epoch, eval_metrics, train_loss, grad_norm = [], {}, float("nan"), None
     resume_data = None
@@ -650,7 +646,7 @@ def main(argv=None):
         optimizer.load_state_dict(trainer["optimizer"])
         scheduler.load_state_dict(trainer["scheduler"])
         scaler.load_state_dict(trainer["scaler"])
-        step, epoch, epochs_done = meta["step"], meta["epoch"], meta["epochs_done"]
+        step, epoch = meta["step"], meta["epoch"]
         samples_seen, tokens_seen, flops_done = meta["samples_seen"], meta["tokens_seen"], meta["flops_done"]
         unused_per_epoch = meta["unused_per_epoch"]
         if meta["world_size"] == world_size and meta["num_workers"] == args.num_workers:
@@ -680,7 +676,7 @@ def main(argv=None):
         else:
             gathered = [mine]
         if master:
-            meta = {"step": step, "epoch": epoch, "epochs_done": epochs_done, "samples_seen": samples_seen,
+            meta = {"step": step, "epoch": epoch, "samples_seen": samples_seen,
                     "tokens_seen": tokens_seen, "flops_done": flops_done, "unused_per_epoch": unused_per_epoch,
                     "world_size": world_size, "num_workers": args.num_workers, "config": config}
             trainer = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict(),
@@ -749,7 +745,6 @@ def main(argv=None):
             if master:
                 print(f"epoch {epoch} ended at step {step}; samples left unused per rank: "
                       f"{unused_per_epoch[-1]}", flush=True)
-            epochs_done += 1
             epoch += 1
         del batches  # end the workers now, not at interpreter exit
 
@@ -778,7 +773,7 @@ def main(argv=None):
         print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
               f"{eta_h:.2f} h; {tokens_run / max(elapsed, 1e-9):,.0f} tokens/s"
               + (f", MFU {flops_run / max(elapsed, 1e-9) / (peak * world_size):.1%}" if peak else ""))
-        summary = {"steps": step, "planned_steps": total_steps, "epochs_done": epochs_done,
+        summary = {"steps": step, "planned_steps": total_steps, "epochs_done": epoch,
                    "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,
                    "samples_seen": samples_seen,
                    "tokens_seen": tokens_seen, "tokens_per_sec": tokens_run / max(elapsed, 1e-9),

@@ -166,7 +166,7 @@ def test_masking_statistics(corpus, tokenizer):
 
 def test_nsp_samples_decode_to_the_source(corpus, tokenizer):
     stream = make_stream(corpus, tokenizer, max_seq_len=48, mask_prob=0.0)
-    docs = [stream._tokenize(stream._read_lines(d)) for d in range(stream.num_docs)]
+    docs = [stream.segments(d) for d in range(stream.num_docs)]
     doc_text = [" " + " ".join(str(t) for s in segs for t in s) + " " for segs in docs]
     n_random = n_total = 0
     for b in stream:
