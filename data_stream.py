@@ -393,28 +393,65 @@ class BertPretrainStream(IterableDataset):
     def num_docs(self):
         return len(self.index["start"])
 
-    # --- epochs and cursors (main process)
+    # --- epochs, cursors and the corpus fingerprint (main process)
     def set_epoch(self, epoch):
         self.epoch, self.resume, self._consumed = epoch, None, None
+
+    def fingerprint(self):
+        """What must be equal on every rank and across a resume: documents, bytes, the offset index."""
+        digest = hashlib.sha256()
+        for key in ("file", "start", "end"):
+            digest.update(np.ascontiguousarray(self.index[key]).tobytes())
+        return {"documents": self.num_docs, "bytes": int(self._doc_bytes().sum()), "index": digest.hexdigest()[:16]}
+
+    def _doc_bytes(self):
+        return self.index["end"] - self.index["start"]
 
     def consumed(self, cursor):
         """Record that the trainer used the batch with this cursor (call for every batch it trains on)."""
         shard, chunk, offset, num_shards = cursor
         if self._consumed is None:
-            self._consumed = {"epoch": self.epoch, "num_shards": num_shards, "positions": {}, "last_shard": None}
+            self._consumed = {"epoch": self.epoch, "num_shards": num_shards, "positions": {}, "last_shard": None,
+                              "exclude": []}
         self._consumed["positions"][str(shard)] = [chunk, offset]
         self._consumed["last_shard"] = shard
 
     def state_dict(self):
-        """Where the consumed part of this epoch ends: JSON-serialisable."""
+        """Where the consumed part of this epoch ends: JSON-serialisable. `positions` are per shard of
+        a sharding into `num_shards` of the epoch's documents less `exclude` (read before a resize)."""
         if self._consumed is None:
-            return {"epoch": self.epoch, "num_shards": None, "positions": {}, "last_shard": None}
+            return {"epoch": self.epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": []}
         return json.loads(json.dumps(self._consumed))
 
-    def load_state_dict(self, state):
-        """The next iteration continues after what `state` says was consumed."""
+    @staticmethod
+    def merge_states(states):
+        """The states of all ranks as one (for a resume on another world size: every shard's position)."""
+        return {**states[0], "positions": {k: v for s in states for k, v in s["positions"].items()},
+                "last_shard": None}
+
+    def load_state_dict(self, state, num_workers=None):
+        """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
+        written with) continues after what `state` says was consumed. Returns how many documents
+        the resume skips: 0 unless the number of shards (ranks x workers) changed, when partly read
+        chunks cannot be continued."""
+        state = {"exclude": [], **json.loads(json.dumps(state))}
+        skipped = 0
+        num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
+        if state["num_shards"] and state["num_shards"] != num_shards:
+            # Resharded resume: every document the old sharding started counts as read (a partly
+            # read chunk too: its samples were shuffled together), the rest is cut into new shards.
+            # The exclusions accumulate, so any chain of resizes reads a document at most once.
+            old = shard_documents(self._doc_bytes(), self.seed, state["epoch"], state["num_shards"], self.shuffle,
+                                  np.array(state["exclude"], np.int64))
+            exclude = set(state["exclude"])
+            for s, (chunk, offset) in state["positions"].items():
+                exclude.update(old[int(s)][:(chunk + (offset > 0)) * DOCS_PER_CHUNK].tolist())
+                skipped += len(old[int(s)][chunk * DOCS_PER_CHUNK:(chunk + 1) * DOCS_PER_CHUNK]) if offset else 0
+            state = {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
+                     "exclude": sorted(exclude)}
         self.epoch, self.resume = state["epoch"], state
-        self._consumed = json.loads(json.dumps(state)) if state.get("num_shards") else None
+        self._consumed = json.loads(json.dumps(state)) if state["num_shards"] else None
+        return skipped
 
     # --- reading and tokenizing (worker process)
     def _read_lines(self, doc_id):
@@ -540,22 +577,18 @@ class BertPretrainStream(IterableDataset):
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info else (1, 0)
         num_shards = self.world_size * num_workers
-        positions, rotate, exclude = {}, 0, None
-        doc_bytes = self.index["end"] - self.index["start"]
-        if self.resume is not None and self.resume.get("num_shards") and self.resume["num_shards"] != num_shards:
-            # Resumed with other ranks x workers: the documents not yet started are re-sharded;
-            # a partly read chunk counts as read, so nothing is repeated in this epoch.
-            old = shard_documents(doc_bytes, self.seed, self.epoch, self.resume["num_shards"], self.shuffle)
-            exclude = np.concatenate([old[int(s)][:(chunk + (offset > 0)) * DOCS_PER_CHUNK]
-                                      for s, (chunk, offset) in self.resume["positions"].items()] or [[]])
-        elif self.resume is not None and self.resume.get("num_shards"):
-            positions = self.resume["positions"]
-            last = self.resume["last_shard"]
+        resume = self.resume or {"num_shards": None, "positions": {}, "last_shard": None, "exclude": []}
+        if resume["num_shards"] not in (None, num_shards):
+            raise RuntimeError(f"the stream was resumed for {resume['num_shards']} shards but is read as "
+                               f"{num_shards}: pass the DataLoader's num_workers to load_state_dict")
+        positions, last, rotate = resume["positions"], resume["last_shard"], 0
+        if last is not None:
             # DataLoader takes batches round-robin from worker 0; the old run's next batch was
             # due from the worker after the last one consumed, so new worker i plays that role.
-            rotate = (last - self.rank * num_workers + 1) % num_workers if last is not None else 0
+            rotate = (last - self.rank * num_workers + 1) % num_workers
+        exclude = np.array(resume["exclude"], np.int64) if resume["exclude"] else None
         shard = self.rank * num_workers + (worker_id + rotate) % num_workers
-        shard_docs = shard_documents(doc_bytes, self.seed, self.epoch, num_shards, self.shuffle, exclude)[shard]
+        shard_docs = shard_documents(self._doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle, exclude)[shard]
         chunk, offset = positions.get(str(shard), (0, 0))
         batch, pos = [], (chunk, offset)
         for sample, pos in self._samples(shard_docs, chunk, offset):

@@ -21,8 +21,12 @@ import pickle
 import random
 import shutil
 import signal
+import socket
 import sys
+import tempfile
 import time
+import uuid
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -75,18 +79,18 @@ def parse_args(argv=None):
     p.add_argument("--resume", default="auto",
                    help="auto: continue from the newest complete checkpoint in --out-dir, if any; none: start "
                         "afresh; or a checkpoint folder")
-    p.add_argument("--overwrite", action="store_true", help="with --resume none: delete the out dir's checkpoints")
+    p.add_argument("--overwrite", action="store_true",
+                   help="with --resume none: delete the out dir's checkpoints and tokenizer")
+    p.add_argument("--allow-corpus-change", action="store_true",
+                   help="resume although the corpus changed (files added or edited): the current epoch "
+                        "restarts on the new corpus; without it such a resume is an error")
+    p.add_argument("--dist-timeout", type=float, default=30,
+                   help="minutes a rank waits for the others in a training collective before giving up "
+                        "(rank 0's preparation, e.g. training the tokenizer, has its own 24-hour wait)")
     p.add_argument("--export-every", type=int, default=0,
                    help="also write the Hugging Face folder <out>/hf every N steps (it is always written at the end)")
     args = p.parse_args(argv)
     return args
-
-
-def fail(message):
-    """A user mistake: one line on stderr (rank 0 only, the others say it too), exit code 2."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(f"pretrain_ddp.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def cpu_has_native_bf16():
@@ -110,7 +114,7 @@ def choose_amp_dtype(args, device):
         fail("--amp-dtype fp16 needs a CUDA GPU; on a CPU use --amp-dtype bf16 or no --amp")
     if args.amp_dtype == "auto" and not cpu_has_native_bf16():
         # Measured here: without avx512_bf16/AMX a BERT step in bf16 autocast is ~28x slower.
-        if int(os.environ.get("RANK", "0")) == 0:
+        if int(os.environ.get("RANK", "0")) == 0:  # before the group exists: RANK is all there is
             print("warning: --amp on a CPU without native bf16 would be much slower; training in fp32 "
                   "(--amp-dtype bf16 forces it)", file=sys.stderr)
         return None
@@ -118,16 +122,16 @@ def choose_amp_dtype(args, device):
 
 
 def validate(args):
-    """Everything that can be checked before any process group exists: no rank waits on a dead one."""
+    """The flags alone, checked before any process group exists (every rank finds the same)."""
     for name in ("batch_size", "accum_steps", "epochs", "eval_every", "log_every", "save_every", "keep_last"):
         if getattr(args, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
     if args.max_steps is not None and args.max_steps < 1:
         fail(f"--max-steps must be at least 1, not {args.max_steps}")
+    if args.dist_timeout <= 0:
+        fail(f"--dist-timeout must be more than 0 minutes, not {args.dist_timeout}")
     if args.export_every < 0:
         fail(f"--export-every must be 0 (off) or more, not {args.export_every}")
-    if args.resume not in ("auto", "none") and not os.path.isdir(args.resume):
-        fail(f"--resume {args.resume} is not a checkpoint folder (or auto, none)")
     if args.num_workers < 0:
         fail(f"--num-workers must be 0 or more, not {args.num_workers}")
     if args.max_seq_len < (5 if args.objective == "nsp" else 3):
@@ -141,8 +145,169 @@ def validate(args):
             import mlflow  # noqa: F401
         except ImportError:
             fail("--log-to mlflow needs the mlflow package: pip install mlflow (or drop mlflow from --log-to)")
-    if args.out_dir and os.path.exists(args.out_dir) and not os.path.isdir(args.out_dir):
-        fail(f"--out-dir {args.out_dir} is a file; give a directory")
+
+
+def setup_device(args):
+    """This rank's device and autocast dtype (None: fp32). torchrun sets LOCAL_RANK."""
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    return device, choose_amp_dtype(args, device)
+
+
+# ----------------------------------------------------------------------------- agreement between ranks
+# Rank 0 decides, every rank verifies, and a rank that disagrees stops every rank with one line
+# naming itself. Nothing here needs a shared file system: what rank 0 decided (out dir, checkpoint,
+# tokenizer, LR plan) travels over the process group, and every yes/no that gates a collective is
+# agreed on by all ranks first, so no rank is ever left waiting in a collective the others skipped.
+HOST = socket.gethostname()
+PREPARE_TIMEOUT = timedelta(hours=24)  # rank 0 may train a tokenizer and count a corpus meanwhile
+GROUP = {"rank": 0, "world_size": 1, "store": None, "ctrl": None}
+
+
+class UserError(Exception):
+    """A user mistake: the rank that finds it says it in one line; every rank exits with code 2."""
+
+
+USER_ERRORS = (UserError, data_stream.CorpusError)
+
+
+def fail(message):
+    raise UserError(message)
+
+
+def say_error(message):
+    where = f"rank {GROUP['rank']} on {HOST}: " if GROUP["world_size"] > 1 else ""
+    print(f"pretrain_ddp.py: error: {where}{message}", file=sys.stderr, flush=True)
+
+
+def join_group(device, timeout, newest_step):
+    """Create the process group in a namespace that every rank of this launch agrees on.
+
+    torchrun's restarts (--max-restarts) keep the store of the dead group, and each agent counts
+    its own restarts (TORCHELASTIC_RESTART_COUNT differs between nodes: PyTorch issue 135712), so
+    neither tells a restarted rank which keys are current. torchrun's rank 0 names a fresh
+    namespace; every other rank posts a random nonce and waits for the name under it: only a live
+    rank 0 answers. In the namespace, rank 0 of the process group becomes a process that sees the
+    newest checkpoint (newest_step, from its own out dir): with node-local out dirs, a restart
+    that moved torchrun's rank 0 to another node still resumes, and nothing else changes.
+    """
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    GROUP.update(rank=rank, world_size=world_size)
+    if world_size == 1:
+        return
+    store = next(dist.rendezvous("env://", timeout=timeout))[0]
+    base = f"bert_ddp/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
+    if rank == 0:
+        name, answered, deadline = uuid.uuid4().hex, set(), time.monotonic() + timeout.total_seconds()
+        store.append(f"{base}/{name}/members", f"{rank}:{newest_step} ")
+        store.add(f"{base}/{name}/joined", 1)
+        while store.add(f"{base}/{name}/joined", 0) < world_size:
+            if store.check([f"{base}/hello"]):
+                for nonce in set(store.get(f"{base}/hello").decode().split()) - answered:
+                    store.set(f"{base}/welcome/{nonce}", name)  # stale nonces of dead ranks too: harmless
+                    answered.add(nonce)
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"only {store.add(f'{base}/{name}/joined', 0)} of {world_size} ranks "
+                                          "joined rank 0 within --dist-timeout")
+            time.sleep(0.02)
+        store.set(f"{base}/{name}/complete", "1")
+    else:
+        nonce = uuid.uuid4().hex
+        store.append(f"{base}/hello", nonce + " ")
+        store.wait([f"{base}/welcome/{nonce}"], timeout)
+        name = store.get(f"{base}/welcome/{nonce}").decode()
+        store.append(f"{base}/{name}/members", f"{rank}:{newest_step} ")
+        store.add(f"{base}/{name}/joined", 1)
+        store.wait([f"{base}/{name}/complete"], timeout)
+    members = [tuple(map(int, m.split(":"))) for m in store.get(f"{base}/{name}/members").decode().split()]
+    order = sorted(members, key=lambda m: (-m[1], m[0]))  # the newest checkpoint first, then torchrun's order
+    GROUP["rank"] = rank = [m[0] for m in order].index(rank)
+    GROUP["store"] = dist.PrefixStore(f"{base}/{name}", store)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=GROUP["store"], rank=rank,
+                            world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    # Control traffic (flags, decisions, the per-step all_reduce) runs on the CPU (gloo) even under
+    # nccl: reading its result never waits for the GPU, which keeps queueing kernels ahead.
+    GROUP["ctrl"] = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
+
+
+def newest_local_step(args):
+    """The step of the newest checkpoint this process sees in its own out dir, -1 if none."""
+    out_dir = args.out_dir or default_out_dir()
+    try:
+        with open(os.path.join(out_dir, "checkpoints", "latest")) as f:
+            return int(f.read().strip()[5:]) if args.resume == "auto" else -1
+    except (OSError, ValueError):
+        return -1
+
+
+def default_out_dir():
+    # torchrun's restarts keep the run id, so they find the same out dir and resume
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return f"runs/run-{run_id}" if run_id != "none" else time.strftime("runs/%Y%m%d-%H%M%S")
+
+
+def gather(value):
+    """[(host, value) of rank 0, (host, value) of rank 1, ...] on every rank."""
+    items = [(HOST, value)] * GROUP["world_size"]
+    if GROUP["world_size"] > 1:
+        dist.all_gather_object(items, (HOST, value), group=GROUP["ctrl"])
+    return items
+
+
+def from_rank0(obj):
+    """Rank 0's obj on every rank (picklable: plans, names, a checkpoint's tensors)."""
+    box = [obj]
+    if GROUP["world_size"] > 1:
+        dist.broadcast_object_list(box, src=0, group=GROUP["ctrl"])
+    return box[0]
+
+
+def agree(error):
+    """Collective: if any rank has an error (a string), the ranks that found it say it, all exit 2."""
+    errors = [e for _, e in gather(error)]
+    if any(errors):
+        if error and (GROUP["rank"] == 0 or error != errors[0]):  # not a copy of rank 0's line
+            say_error(error)
+        raise SystemExit(2)
+
+
+def verify(what, mine):
+    """Collective: every rank's `mine` must equal rank 0's; the ranks that differ say how, all exit 2."""
+    values = gather(mine)
+    host0, theirs = values[0]
+    if all(v == theirs for _, v in values):
+        return
+    if mine != theirs:
+        if isinstance(mine, dict):  # name only what differs
+            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            mine, theirs = {k: mine.get(k) for k in keys}, {k: theirs.get(k) for k in keys}
+        say_error(f"{what} is not rank 0's: {mine} here, {theirs} on rank 0 ({host0})")
+    raise SystemExit(2)
+
+
+def rank0_prepares(prepare):
+    """prepare() on rank 0, its result on every rank. The others wait on the store with a long
+    timeout meanwhile (training a tokenizer on a big corpus can take hours), not in a collective
+    bounded by --dist-timeout; a user error on rank 0 reaches every rank."""
+    result, error = None, None
+    if GROUP["rank"] == 0:
+        try:
+            result = prepare()
+        except USER_ERRORS as e:
+            error = str(e)
+        finally:
+            if GROUP["store"] is not None:
+                GROUP["store"].set("prepared", "1")
+    elif GROUP["store"] is not None:
+        GROUP["store"].wait(["prepared"], PREPARE_TIMEOUT)
+    agree(error)
+    return from_rank0(result)
 
 
 # ----------------------------------------------------------------------------- model
@@ -240,13 +405,44 @@ def make_loader(stream, num_workers, device):
                       generator=torch.Generator())
 
 
-def planned_steps(args, stream, world_size):
-    """The number of optimizer steps the LR schedule plans for: --max-steps, or the estimate."""
+def make_stream(args, corpus, split, tokenizer, seed, shuffle):
+    return data_stream.BertPretrainStream(
+        corpus, tokenizer, split=split, objective=args.objective, max_seq_len=args.max_seq_len,
+        batch_size=args.batch_size, mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
+        seed=seed, rank=GROUP["rank"], world_size=GROUP["world_size"], shuffle=shuffle)
+
+
+# ----------------------------------------------------------------------------- the learning-rate plan
+# Planned once from the step estimate, stored in every checkpoint, never rebuilt on resume.
+# Positions count steps at the planned effective batch ("batch"): after a resume on another world
+# size a step advances the plan by its share of that batch, so the curve continues and reaches
+# zero at the end of the planned data, not before or after.
+
+def new_lr_plan(args, stream, world_size):
     import estimate_steps
     est = estimate_steps.estimate(stream, world_size, args.num_workers, args.batch_size, args.accum_steps,
                                   args.epochs)
     total = est["total_steps"] if args.max_steps is None else min(args.max_steps, est["total_steps"] or 1)
-    return total, est
+    warmup = max(1, round(args.warmup * total)) if args.warmup > 0 else 0
+    return {"total": total, "warmup": warmup, "batch": args.batch_size * args.accum_steps * world_size,
+            "decay_from": [warmup, 1.0], "steps_per_epoch": est["total_steps"] / args.epochs}, est
+
+
+def lr_factor(plan, pos):
+    """Linear warmup to 1, then linear decay from decay_from = [position, factor] to 0 at the total."""
+    if pos < plan["warmup"]:
+        return (pos + 1) / plan["warmup"]
+    start, factor = plan["decay_from"]
+    return max(0.0, factor * (plan["total"] - pos) / max(plan["total"] - start, 1))
+
+
+def replan(plan, pos, step, args, batch):
+    """--epochs or --max-steps changed on resume: decay from today's LR to the new end (no jump up)."""
+    total = args.epochs * plan["steps_per_epoch"]
+    if args.max_steps is not None:
+        total = min(total, pos + (args.max_steps - step) * batch / plan["batch"])
+    decay_from = plan["decay_from"] if pos < plan["warmup"] else [pos, lr_factor(plan, pos)]
+    return {**plan, "total": total, "decay_from": decay_from}
 
 
 # ----------------------------------------------------------------------------- logging
@@ -284,8 +480,9 @@ def make_logger(log_to, out_dir, config):
 # each file's sha256) last, then renamed into place: a crash at any instant leaves the previous
 # complete checkpoint usable, and a damaged one is recognised by its checksums. Nothing is ever
 # unpickled as code: torch.load(weights_only=True) reads tensors and plain containers only.
-# Fields that a resumed run must share with the checkpoint (the rest may change):
-RESUME_MUST_MATCH = ("model_size", "objective", "max_seq_len", "vocab", "corpus", "seed")
+# Fields that a resumed run must share with the checkpoint (the rest may change; the corpus is
+# compared by its fingerprint, the tokenizer by its hash):
+RESUME_MUST_MATCH = ("model_size", "objective", "max_seq_len", "vocab", "seed")
 
 
 def _fsync_dir(path):
@@ -332,9 +529,7 @@ def save_checkpoint(root, step, files, meta, keep_last):
     else:
         os.rename(tmp, final)
     _fsync_dir(root)
-    pointer = os.path.join(root, "latest")
-    _write(pointer + ".tmp", lambda f: f.write(name.encode()))
-    os.replace(pointer + ".tmp", pointer)
+    point_latest(root, name)
     for old in sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-keep_last]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
@@ -355,18 +550,92 @@ def read_checkpoint(path):
     return {"meta": manifest["meta"], **files}, None
 
 
-def find_checkpoint(root):
-    """The newest complete checkpoint under root, skipping (and reporting) damaged ones."""
-    names = [d for d in os.listdir(root) if d.startswith("step_")] if os.path.isdir(root) else []
-    names.sort(key=lambda d: int(d[5:]) if d[5:].isdigit() else -1, reverse=True)
-    for name in names:
-        loaded, problem = read_checkpoint(os.path.join(root, name))
-        if loaded is not None:
-            return os.path.join(root, name), loaded
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"warning: checkpoint {os.path.join(root, name)} is damaged ({problem}); trying an older one",
+def point_latest(root, name):
+    pointer = os.path.join(root, "latest")
+    _write(pointer + ".tmp", lambda f: f.write(name.encode()))
+    os.replace(pointer + ".tmp", pointer)
+
+
+def choose_checkpoint(args, root):
+    """Rank 0's choice: (path, checkpoint) to resume, or (None, None) to start afresh.
+
+    `latest` names the timeline. A step_* newer than it was abandoned (by a rollback to an older
+    step, or a crash between renaming a checkpoint and moving the pointer): it is moved to
+    checkpoints/abandoned/ with a warning and never resumed, nor counted by --keep-last.
+    """
+    steps = {int(d[5:]): d for d in (os.listdir(root) if os.path.isdir(root) else [])
+             if d.startswith("step_") and d[5:].isdigit()}
+    if args.resume == "none":
+        if steps and not args.overwrite:
+            fail(f"--out-dir {os.path.dirname(root)} holds checkpoints: --resume auto continues from them, "
+                 "--overwrite deletes them, or choose another --out-dir")
+        return None, None
+    path, loaded = None, None
+    if args.resume == "auto":
+        try:
+            with open(os.path.join(root, "latest")) as f:
+                newest = int(f.read().strip()[5:])
+        except (OSError, ValueError):
+            newest = None
+        for s in sorted((s for s in steps if newest is None or s <= newest), reverse=True):
+            loaded, problem = read_checkpoint(os.path.join(root, steps[s]))
+            if loaded is not None:
+                path = os.path.join(root, steps[s])
+                break
+            print(f"warning: checkpoint {os.path.join(root, steps[s])} is damaged ({problem}); trying an older one",
                   file=sys.stderr)
-    return None, None
+        newest = loaded["meta"]["step"] if loaded else newest
+    else:
+        path = args.resume
+        if not os.path.isdir(path):
+            fail(f"--resume {path} is not a checkpoint folder (or auto, none)")
+        loaded, problem = read_checkpoint(path)
+        if loaded is None:
+            fail(f"--resume {path} cannot be used: {problem}")
+        newest = loaded["meta"]["step"]
+    abandoned = sorted(s for s in steps if newest is not None and s > newest)
+    for s in abandoned:
+        aside = os.path.join(root, "abandoned", steps[s])
+        shutil.rmtree(aside, ignore_errors=True)
+        os.makedirs(os.path.dirname(aside), exist_ok=True)
+        os.rename(os.path.join(root, steps[s]), aside)
+    if abandoned:
+        print(f"warning: checkpoint(s) of step {', '.join(map(str, abandoned))} are newer than the timeline "
+              f"resumed here (step {newest}); moved to {os.path.join(root, 'abandoned')}", file=sys.stderr)
+    if path is not None and os.path.realpath(os.path.dirname(path)) == os.path.realpath(root):
+        point_latest(root, os.path.basename(os.path.normpath(path)))
+    return path, loaded
+
+
+def restore(run, raw_model, optimizer, scaler, device, num_workers):
+    """Load rank 0's chosen checkpoint (received over the process group) into this rank, before
+    the DDP wrap: DDP's start-up broadcast would hide a rank that loaded something else. Returns
+    the progress counters and this rank's data cursor (None: the epoch starts from its beginning)."""
+    progress = {"step": 0, "epoch": 0, "samples_seen": 0, "tokens_seen": 0, "flops_done": 0.0,
+                "unused_per_epoch": []}
+    if run["resumed"] is None:
+        return progress, None
+    meta, trainer, ranks = run["resumed"]["meta"], run["resumed"]["trainer.pt"], run["resumed"]["ranks.pt"]
+    raw_model.hf.load_state_dict(trainer["model"])
+    optimizer.load_state_dict(trainer["optimizer"])
+    if scaler.is_enabled() and trainer["scaler"]:
+        scaler.load_state_dict(trainer["scaler"])
+    elif scaler.is_enabled() and GROUP["rank"] == 0:
+        print("note: the checkpoint trained without fp16: a fresh GradScaler starts", file=sys.stderr)
+    progress.update({k: meta[k] for k in progress})
+    if run["corpus_changed"]:
+        return progress, None
+    if (meta["world_size"], meta["num_workers"]) == (GROUP["world_size"], num_workers):
+        set_rng_states(ranks[GROUP["rank"]]["rng"], device)
+        return progress, ranks[GROUP["rank"]]["data"]
+    return progress, data_stream.BertPretrainStream.merge_states([r["data"] for r in ranks])
+
+
+def weights_checksum(model):
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def rng_states(device):
@@ -399,16 +668,148 @@ def export_hf(hf_model, tokenizer, out_dir):
     os.rename(tmp, final)
 
 
+# ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
+
+def tokenizer_hash(tokenizer):
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def run_tokenizer(args, out_dir, resumed, path):
+    """Rank 0: the run's tokenizer, kept as <out>/tokenizer. WordPiece training differs from one
+    process to the next, so it happens once per run, here; a resume loads the kept one."""
+    kept = os.path.join(out_dir, "tokenizer")
+    if args.tokenizer:
+        tokenizer, source = data_stream.get_tokenizer(args.tokenizer), f"--tokenizer {args.tokenizer}"
+    elif os.path.isdir(kept):
+        tokenizer, source = data_stream.get_tokenizer(kept), kept
+    else:
+        tokenizer = data_stream.get_tokenizer(None, data_stream.resolve_corpus(args.corpus), args.vocab_size)
+        source = f"trained on --corpus {args.corpus}"
+    before = resumed["meta"].get("tokenizer_hash") if resumed else None
+    if before not in (None, tokenizer_hash(tokenizer)):
+        fail(f"cannot resume from {path}: it trained with tokenizer {before}, this run's ({source}) is "
+             f"{tokenizer_hash(tokenizer)}; give the run's own (--tokenizer {kept}) or another --out-dir")
+    if not os.path.isdir(kept) or tokenizer_hash(data_stream.get_tokenizer(kept)) != tokenizer_hash(tokenizer):
+        shutil.rmtree(kept + ".tmp", ignore_errors=True)
+        tokenizer.save_pretrained(kept + ".tmp")
+        shutil.rmtree(kept, ignore_errors=True)
+        os.rename(kept + ".tmp", kept)
+    return data_stream.get_tokenizer(kept)
+
+
+def plan_run(args, world_size, device, amp_dtype, rank0_only):
+    """Rank 0 decides the run: out dir, checkpoint, tokenizer, corpus, LR plan. Returns what every
+    rank needs (sent over the process group); rank 0's tokenizer and stream go to rank0_only."""
+    out_dir = args.out_dir or default_out_dir()
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        fail(f"--out-dir {out_dir} is a file; give a directory")
+    path, resumed = choose_checkpoint(args, os.path.join(out_dir, "checkpoints"))
+    if args.resume == "none" and args.overwrite:
+        for old in ("checkpoints", "tokenizer"):
+            shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = run_tokenizer(args, out_dir, resumed, path)
+    stream = make_stream(args, args.corpus, "train", tokenizer, args.seed, True)
+    effective_batch = args.batch_size * args.accum_steps * world_size
+    config = {**vars(args), "out_dir": out_dir, "world_size": world_size, "device": str(device),
+              "vocab": len(tokenizer), "tokenizer_path": os.path.join(out_dir, "tokenizer"),
+              "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32",
+              "effective_batch": effective_batch}
+    run = {"out_dir": out_dir, "path": path, "resumed": resumed, "corpus_changed": False,
+           "fingerprint": stream.fingerprint(), "tokenizer_hash": tokenizer_hash(tokenizer)}
+    if resumed is None:
+        plan, estimate = new_lr_plan(args, stream, world_size)
+        run.update(plan=plan, plan_pos=0.0, estimate=estimate)
+    else:
+        meta = resumed["meta"]
+        before = meta["config"]
+        changed = [f"{k} (checkpoint {before.get(k)!r}, now {config[k]!r})" for k in RESUME_MUST_MATCH
+                   if before.get(k) != config[k]]
+        if changed:
+            fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
+                 "or --resume none --overwrite")
+        if "plan" not in meta:
+            fail(f"cannot resume from {path}: it was written by an older pretrain_ddp.py (no LR plan)")
+        if meta["fingerprint"] != run["fingerprint"]:
+            if not args.allow_corpus_change:
+                fail(f"cannot resume from {path}: the corpus changed (checkpoint {meta['fingerprint']}, now "
+                     f"{run['fingerprint']}); --allow-corpus-change restarts the epoch on it, or use another --out-dir")
+            print(f"warning: the corpus changed since {path}; epoch {meta['epoch']} restarts on the new corpus",
+                  file=sys.stderr)
+            run["corpus_changed"] = True
+        plan, pos = meta["plan"], meta["plan_pos"]
+        if (before["epochs"], before["max_steps"]) != (args.epochs, args.max_steps):
+            new = replan(plan, pos, meta["step"], args, effective_batch)
+            print(f"warning: --epochs/--max-steps {before['epochs']}/{before['max_steps']} -> {args.epochs}/"
+                  f"{args.max_steps}: the LR plan now ends after {new['total']:.0f} planned steps, not "
+                  f"{plan['total']:.0f}; the LR decays from its current value", file=sys.stderr)
+            plan = new
+        if (meta["world_size"], meta["num_workers"]) != (world_size, args.num_workers):
+            print(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as {world_size} x "
+                  f"{args.num_workers}: the data order is no longer bit-exact (the rest of the epoch is re-sharded; "
+                  f"no document is repeated); the LR plan continues, a step now counts as "
+                  f"{effective_batch / plan['batch']:.3g} planned steps", file=sys.stderr)
+        run.update(plan=plan, plan_pos=pos, estimate=meta["estimate"])
+    config["planned_steps"] = run["plan"]["total"]
+    kept = os.path.join(out_dir, "tokenizer")
+    run.update(config=config, tokenizer_files={})
+    for name in os.listdir(kept):
+        with open(os.path.join(kept, name), "rb") as f:
+            run["tokenizer_files"][name] = f.read()
+    rank0_only.update(tokenizer=tokenizer, stream=stream)
+    return run
+
+
+def load_run(args, run, rank0_only):
+    """Every rank: the tokenizer and streams of rank 0's run, verified equal on every rank.
+    Returns (tokenizer, train stream, eval stream or None)."""
+    tokenizer, stream, error = rank0_only.get("tokenizer"), rank0_only.get("stream"), None
+    if stream is None:  # not rank 0: its tokenizer came over the process group, the corpus is local
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                for name, data in run["tokenizer_files"].items():
+                    with open(os.path.join(tmp, name), "wb") as f:
+                        f.write(data)
+                tokenizer = data_stream.get_tokenizer(tmp)
+            stream = make_stream(args, args.corpus, "train", tokenizer, args.seed, True)
+        except USER_ERRORS as e:
+            error = str(e)
+    agree(error)
+    verify("the tokenizer", tokenizer_hash(tokenizer))
+    verify(f"the corpus of --corpus {args.corpus}", stream.fingerprint())
+    eval_corpus = args.eval_corpus or ("builtin" if args.corpus == "builtin" else "none")
+    eval_stream, eval_state = None, None
+    if eval_corpus != "none":
+        try:
+            eval_stream = make_stream(args, eval_corpus, "eval", tokenizer, EVAL_SEED, False)
+            eval_state = eval_stream.fingerprint()
+        except data_stream.CorpusError as e:
+            eval_state = str(e)
+    elif GROUP["rank"] == 0 and args.eval_corpus is None:
+        print("warning: no evaluation: give --eval-corpus for a held-out set", file=sys.stderr)
+    states = [state for _, state in gather(eval_state)]
+    if eval_corpus != "none" and all(isinstance(state, str) for state in states):
+        if GROUP["rank"] == 0:
+            print(f"warning: no evaluation: --eval-corpus {eval_corpus}: {states[0]}", file=sys.stderr)
+        return tokenizer, stream, None
+    agree(f"--eval-corpus {eval_corpus}: {eval_state} (rank 0 has it; every rank needs the same eval set)"
+          if isinstance(eval_state, str) else None)
+    verify(f"the eval corpus of --eval-corpus {eval_corpus}", eval_state)
+    return tokenizer, stream, eval_stream
+
+
 # ----------------------------------------------------------------------------- training
 
-def train_step(model, optimizer, scheduler, scaler, window, global_masked, global_samples, world_size,
-               amp_ctx, clip):
-    """One optimizer step over a window of micro-batches, returning (loss sums, grad norm) on device.
+def train_step(model, optimizer, scaler, window, global_masked, global_samples, world_size, amp_ctx, clip, lr):
+    """One optimizer step at learning rate lr over a window of micro-batches. Returns (loss sums,
+    grad norm) on the device and whether fp16's GradScaler skipped the step (gradients overflowed).
 
     Each micro-batch's loss is its sum of token losses over the *global* masked-token count
     (x world_size, since DDP averages gradients over ranks): the gradient is then exactly that
     of one big batch, however the masked tokens fall across ranks and micro-batches.
     """
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     sums = None
     for i, batch in enumerate(window):
         last = i == len(window) - 1
@@ -422,11 +823,11 @@ def train_step(model, optimizer, scheduler, scaler, window, global_masked, globa
     scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-    scaler.step(optimizer)  # skips the step when fp16 gradients overflowed
+    scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a host sync per step
+    scaler.step(optimizer)  # skips the step when fp16 gradients overflowed, and then lowers the scale
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return sums, grad_norm
+    return sums, grad_norm, scale is not None and scaler.get_scale() < scale
 
 
 @torch.no_grad()
@@ -456,148 +857,55 @@ def evaluate(model, loader, device, amp_ctx, world_size, nsp):
 def main(argv=None):
     args = parse_args(argv)
     validate(args)
+    device, amp_dtype = setup_device(args)
+    join_group(device, timedelta(minutes=args.dist_timeout), newest_local_step(args))
+    rank, world_size, master = GROUP["rank"], GROUP["world_size"], GROUP["rank"] == 0
+    verify("the command line", vars(args))
 
-    # --- distributed set-up: torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python is rank 0 of 1
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-        if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    amp_dtype = choose_amp_dtype(args, device)
-    if world_size > 1:
-        # torchrun's restarts (--max-restarts) reuse its store, and a restarted rank could read the
-        # dead group's addresses and fail to connect (seen with torch 2.13): keep attempts apart.
-        store = dist.PrefixStore(f"attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-                                 next(dist.rendezvous("env://"))[0])
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size, device_id=device if device.type == "cuda" else None)
-    # The per-step control all_reduce runs on the CPU (gloo) even under nccl: reading its result
-    # then never waits for the GPU, which keeps queueing kernels ahead of the host.
-    ctrl_group = dist.new_group(backend="gloo") if world_size > 1 and device.type == "cuda" else None
-    master = rank == 0
+    # --- rank 0 decides the run (out dir, checkpoint, tokenizer, LR plan); every rank verifies it
+    rank0_only = {}
+    run = rank0_prepares(lambda: plan_run(args, world_size, device, amp_dtype, rank0_only))
+    tokenizer, stream, eval_stream = load_run(args, run, rank0_only)
+    out_dir, config, plan, plan_pos = run["out_dir"], run["config"], run["plan"], run["plan_pos"]
 
-    def from_rank0(obj):
-        """Rank 0's obj on every rank (small Python objects: plans, names, error messages)."""
-        box = [obj]
-        if world_size > 1:
-            dist.broadcast_object_list(box, src=0, group=ctrl_group)
-        return box[0]
-
-    def rank0_first(fn):
-        """Run fn on rank 0 first (it builds caches: corpus, tokenizer), then on the others.
-        A user error on rank 0 reaches every rank, so none waits in a collective for ever."""
-        result, error = None, None
-        for turn in (0, 1):
-            if (turn == 0) == master:
-                try:
-                    result = fn()
-                except data_stream.CorpusError as e:
-                    error = str(e)
-            if turn == 0:
-                error = from_rank0(error)
-            if error:
-                fail(error)
-        return result
-
-    # --- data: the training stream, the eval stream, the planned number of steps
-    torch.manual_seed(args.seed + rank)  # dropout differs per rank; the init is rank 0's (DDP broadcasts it)
-    tokenizer = rank0_first(lambda: data_stream.get_tokenizer(
-        args.tokenizer, data_stream.resolve_corpus(args.corpus), args.vocab_size))
-
-    def make_stream(corpus, split, seed, shuffle):
-        return data_stream.BertPretrainStream(
-            corpus, tokenizer, split=split, objective=args.objective, max_seq_len=args.max_seq_len,
-            batch_size=args.batch_size, mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
-            seed=seed, rank=rank, world_size=world_size, shuffle=shuffle)
-
-    stream = rank0_first(lambda: make_stream(args.corpus, "train", args.seed, True))
-    eval_corpus = args.eval_corpus or ("builtin" if args.corpus == "builtin" else "none")
-    eval_stream = None
-    if eval_corpus != "none":
-        try:
-            eval_stream = make_stream(eval_corpus, "eval", EVAL_SEED, False)
-        except data_stream.CorpusError as e:
-            if master:
-                print(f"warning: no evaluation: --eval-corpus {eval_corpus}: {e}", file=sys.stderr)
-    elif master and args.eval_corpus is None:
-        print("warning: no evaluation: give --eval-corpus for a held-out set", file=sys.stderr)
-    total_steps, estimate = from_rank0(planned_steps(args, stream, world_size) if master else None)
-
-    # --- the out dir and the checkpoint to resume from
-    out_dir = args.out_dir
-    if out_dir is None:
-        # torchrun's restarts (--max-restarts) keep the run id, so they find the same out dir and resume.
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        out_dir = from_rank0(f"runs/run-{run_id}" if run_id != "none" else time.strftime("runs/%Y%m%d-%H%M%S"))
-    ckpt_root = os.path.join(out_dir, "checkpoints")
-    resumed = None
-    if args.resume == "none":
-        if os.path.isdir(ckpt_root) and any(d.startswith("step_") for d in os.listdir(ckpt_root)) \
-                and not args.overwrite:
-            fail(f"--out-dir {out_dir} holds checkpoints: --resume auto continues from them, "
-                 "--overwrite deletes them, or choose another --out-dir")
-    else:
-        path, resumed = find_checkpoint(ckpt_root) if args.resume == "auto" else (args.resume, None)
-        if args.resume != "auto":
-            resumed, problem = read_checkpoint(path)
-            if resumed is None:
-                fail(f"--resume {path} cannot be used: {problem}")
-    config = {**vars(args), "out_dir": out_dir, "world_size": world_size, "device": str(device),
-              "vocab": len(tokenizer), "tokenizer_path": tokenizer.name_or_path,
-              "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32",
-              "effective_batch": args.batch_size * args.accum_steps * world_size, "planned_steps": total_steps}
-    if resumed is not None:
-        before = resumed["meta"]["config"]
-        changed = [f"{k} (checkpoint {before.get(k)!r}, now {config[k]!r})" for k in RESUME_MUST_MATCH
-                   if before.get(k) != config[k]]
-        if changed:
-            fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
-                 "or --resume none --overwrite")
-
-    # --- model and optimizer
+    # --- model, optimizer, the resumed state (loaded before the DDP wrap and verified on every rank)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
     hf_model = build_model(args.model_size, args.objective, len(tokenizer), args.max_seq_len, args.dropout,
                            tokenizer.pad_token_id)
     raw_model = Pretraining(hf_model).to(device)
-    # Checkpoints and exports read raw_model.hf, so they never carry the compile wrapper's prefix.
-    compiled = torch.compile(raw_model) if args.compile else raw_model
-    model = DDP(compiled, device_ids=[local_rank] if device.type == "cuda" else None) if world_size > 1 \
-        else compiled
     decay = [p for n, p in raw_model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
     no_decay = [p for n, p in raw_model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
     # fused: one kernel for all parameters (measured 6.6x faster than the for-loop on this CPU too)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98),
                                   eps=1e-6, fused=True)
-    warmup_steps = max(1, round(args.warmup * total_steps)) if args.warmup > 0 else 0
-
-    def lr_factor(step):  # linear warmup, then linear decay to zero at the planned last step
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     amp_ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+    torch.manual_seed(args.seed + rank)  # dropout differs per rank (a same-size resume restores its RNG)
+    progress, resume_data = restore(run, raw_model, optimizer, scaler, device, args.num_workers)
+    step, epoch, samples_seen, tokens_seen, flops_done, unused_per_epoch = progress.values()
+    verify("the step and weights", (step, weights_checksum(raw_model)))
+    # Checkpoints and exports read raw_model.hf, so they never carry the compile wrapper's prefix.
+    compiled = torch.compile(raw_model) if args.compile else raw_model
+    model = DDP(compiled, device_ids=[device.index] if device.type == "cuda" else None) if world_size > 1 \
+        else compiled
+    step_in_plan = config["effective_batch"] / plan["batch"]  # 1 unless resumed on another world size
 
     # --- logging and the signals that stop every rank at the same step
     log, close_log = (lambda s, step: None), (lambda: None)
     if master:
-        if args.resume == "none" and args.overwrite:
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-        os.makedirs(out_dir, exist_ok=True)
         log, close_log = make_logger(args.log_to.split(","), out_dir, config)
         n_params = sum(p.numel() for p in raw_model.parameters())
+        estimate = run["estimate"]
         print(f"config: {json.dumps(config)}")
         print(f"model: BERT-{args.model_size} {args.objective}, {n_params / 1e6:.2f}M parameters; world size "
               f"{world_size} on {device.type}; effective batch {config['effective_batch']} "
               f"({args.batch_size} x {world_size} ranks x {args.accum_steps} accum)")
-        print(f"planned {total_steps} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps for "
-              f"{args.epochs} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps else ")"),
-              flush=True)
+        print(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps "
+              f"for {args.epochs} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps
+                                               else ")"), flush=True)
+        if run["path"]:
+            print(f"resumed from {run['path']} at step {step}, epoch {epoch}", flush=True)
     stop_signal = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
@@ -605,7 +913,7 @@ def main(argv=None):
     def all_reduce_ctrl(values):
         t = torch.tensor(values, dtype=torch.float64)
         if world_size > 1:
-            dist.all_reduce(t, group=ctrl_group)
+            dist.all_reduce(t, group=GROUP["ctrl"])
         return t.tolist()
 
     interval = {}
@@ -618,8 +926,8 @@ def main(argv=None):
         mlm_loss, _, nsp_loss, _ = loss_sums.tolist()
         elapsed = time.perf_counter() - interval["t0"]
         mlm_loss, nsp_loss = mlm_loss / max(interval["masked"], 1), nsp_loss / max(interval["samples"], 1)
-        scalars = {"train/loss": mlm_loss + nsp_loss, "train/mlm_loss": mlm_loss,
-                   "train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm),
+        scalars = {"train/loss": mlm_loss + nsp_loss, "train/mlm_loss": mlm_loss, "train/lr": interval["lr"],
+                   "train/grad_norm": float(grad_norm),
                    "train/tokens_per_sec": interval["tokens"] / elapsed,
                    "train/samples_per_sec": interval["samples"] / elapsed,
                    "train/data_wait": interval["wait"] / elapsed, "train/epoch": epoch}
@@ -633,35 +941,6 @@ def main(argv=None):
         interval.update(sums=None, masked=0, samples=0, tokens=0, flops=0.0, wait=0.0, t0=time.perf_counter())
         return mlm_loss + nsp_loss
 
-    # --- the loop
-    peak = peak_flops(device, amp_dtype)
-    # epoch counts the epochs whose data ran out: a run stopped by --max-steps or a signal is inside it
-    step, epoch, samples_seen, tokens_seen, flops_done = 0, 0, 0, 0, 0.0
-    interval.update(sums=None, masked=0, samples=0, tokens=0, flops=0.0, wait=0.0, t0=time.perf_counter())
-    unused_per_epoch, eval_metrics, train_loss, grad_norm = [], {}, float("nan"), None
-    resume_data = None
-    if resumed is not None:
-        meta, trainer, ranks = resumed["meta"], resumed["trainer.pt"], resumed["ranks.pt"]
-        raw_model.hf.load_state_dict(trainer["model"])
-        optimizer.load_state_dict(trainer["optimizer"])
-        scheduler.load_state_dict(trainer["scheduler"])
-        scaler.load_state_dict(trainer["scaler"])
-        step, epoch = meta["step"], meta["epoch"]
-        samples_seen, tokens_seen, flops_done = meta["samples_seen"], meta["tokens_seen"], meta["flops_done"]
-        unused_per_epoch = meta["unused_per_epoch"]
-        if meta["world_size"] == world_size and meta["num_workers"] == args.num_workers:
-            set_rng_states(ranks[rank]["rng"], device)
-            resume_data = ranks[rank]["data"]
-        else:
-            if master:
-                print(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as "
-                      f"{world_size} x {args.num_workers}: the data order is no longer bit-exact (the rest "
-                      "of the epoch is re-sharded; no document is repeated)", file=sys.stderr)
-            positions = {k: v for r in ranks for k, v in r["data"]["positions"].items()}
-            resume_data = {**ranks[0]["data"], "positions": positions, "last_shard": None}
-        if master:
-            print(f"resumed from {path} at step {step}, epoch {epoch}", flush=True)
-
     saved_at = []
 
     def checkpoint():
@@ -672,24 +951,36 @@ def main(argv=None):
         mine = {"rng": rng_states(device), "data": stream.state_dict()}
         gathered = [None] * world_size if master else None
         if world_size > 1:
-            dist.gather_object(mine, gathered, dst=0, group=ctrl_group)
+            dist.gather_object(mine, gathered, dst=0, group=GROUP["ctrl"])
         else:
             gathered = [mine]
         if master:
             meta = {"step": step, "epoch": epoch, "samples_seen": samples_seen,
                     "tokens_seen": tokens_seen, "flops_done": flops_done, "unused_per_epoch": unused_per_epoch,
-                    "world_size": world_size, "num_workers": args.num_workers, "config": config}
+                    "world_size": world_size, "num_workers": args.num_workers, "config": config,
+                    "plan": plan, "plan_pos": plan_pos, "estimate": run["estimate"],
+                    "tokenizer_hash": run["tokenizer_hash"], "fingerprint": run["fingerprint"]}
             trainer = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict(),
-                       "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict()}
-            path = save_checkpoint(ckpt_root, step, {"trainer.pt": trainer, "ranks.pt": gathered}, meta,
-                                   args.keep_last)
+                       "scaler": scaler.state_dict()}
+            path = save_checkpoint(os.path.join(out_dir, "checkpoints"), step,
+                                   {"trainer.pt": trainer, "ranks.pt": gathered}, meta, args.keep_last)
             print(f"saved {path}", flush=True)
+
+    # --- the loop
+    peak = peak_flops(device, amp_dtype)
+    # epoch counts the epochs whose data ran out: a run stopped by --max-steps or a signal is inside it
+    interval.update(sums=None, masked=0, samples=0, tokens=0, flops=0.0, wait=0.0, t0=time.perf_counter(),
+                    lr=args.lr * lr_factor(plan, plan_pos))
+    eval_metrics, train_loss, grad_norm = {}, float("nan"), None
     t_start, start = time.perf_counter(), (step, tokens_seen, flops_done)  # rates count this run only
     stopped, last_eval_step = False, None
     step_limit = args.max_steps or math.inf  # else the epochs end the run (the plan is an estimate)
     while epoch < args.epochs and step < step_limit and not stopped:
         if resume_data is not None and resume_data["epoch"] == epoch:
-            stream.load_state_dict(resume_data)
+            skipped_docs = stream.load_state_dict(resume_data, args.num_workers)
+            if skipped_docs and master:
+                print(f"{skipped_docs} documents skipped this epoch: their chunks were partly read before the "
+                      "resize", flush=True)
         else:
             stream.set_epoch(epoch)
         resume_data = None
@@ -717,16 +1008,20 @@ def main(argv=None):
                 break
             for cursor in cursors:
                 stream.consumed(cursor)
-            sums, grad_norm = train_step(model, optimizer, scheduler, scaler, window, g_masked, g_samples,
-                                         world_size, amp_ctx, args.clip)
-            step += 1
+            lr = args.lr * lr_factor(plan, plan_pos)
+            sums, grad_norm, overflowed = train_step(model, optimizer, scaler, window, g_masked, g_samples,
+                                                     world_size, amp_ctx, args.clip, lr)
             samples_seen, tokens_seen, flops_done = samples_seen + g_samples, tokens_seen + g_tokens, \
                 flops_done + g_flops
             interval["sums"] = sums if interval["sums"] is None else interval["sums"] + sums
             for key, value in (("masked", g_masked), ("samples", g_samples), ("tokens", g_tokens),
                                ("flops", g_flops)):
                 interval[key] += value
-            if step % args.log_every == 0 or step == total_steps:
+            interval["lr"] = lr
+            if overflowed:  # fp16: GradScaler skipped the update; neither the step nor the plan moves
+                continue
+            step, plan_pos = step + 1, plan_pos + step_in_plan
+            if step % args.log_every == 0:
                 train_loss = log_interval(step, epoch, grad_norm)
             if step % args.save_every == 0:
                 checkpoint()
@@ -750,7 +1045,7 @@ def main(argv=None):
 
     # --- final eval, the report, summary.json
     elapsed = time.perf_counter() - t_start
-    if interval["sums"] is not None:  # steps since the last log (the epochs ended before the plan)
+    if interval["sums"] is not None:  # steps since the last log
         train_loss = log_interval(step, epoch, grad_norm)
     if stopped and master:
         print(f"stopped by signal at step {step} on every rank", flush=True)
@@ -762,6 +1057,7 @@ def main(argv=None):
         if not eval_metrics and master:
             print("warning: the eval set produced no masked tokens; eval skipped", file=sys.stderr)
     if master:
+        total_steps = round(plan["total"])
         steps_run, tokens_run, flops_run = step - start[0], tokens_seen - start[1], flops_done - start[2]
         steps_per_hour = steps_run / max(elapsed, 1e-9) * 3600
         eta_h = total_steps / steps_per_hour if steps_per_hour else float("nan")
@@ -779,7 +1075,8 @@ def main(argv=None):
                    "tokens_seen": tokens_seen, "tokens_per_sec": tokens_run / max(elapsed, 1e-9),
                    "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
                    "steps_per_hour": steps_per_hour, "unused_samples_per_epoch": unused_per_epoch,
-                   "stopped_by_signal": stopped, "estimate": estimate}
+                   "stopped_by_signal": stopped, "estimate": run["estimate"], "lr_plan": plan,
+                   "lr_plan_position": plan_pos}
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         export_hf(raw_model.hf, tokenizer, out_dir)
@@ -789,4 +1086,13 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except USER_ERRORS as e:  # found before the ranks could agree (in the flags): each node says it once
+        if GROUP["store"] is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            say_error(str(e))
+        sys.exit(2)
+    except dist.DistError as e:  # a peer died or timed out: say which rank noticed, not a traceback
+        say_error(f"lost the other ranks ({str(e).strip().splitlines()[0][:300]}); the first error above, "
+                  "from another rank or from torchrun, says why")
+        sys.exit(1)

@@ -144,5 +144,6 @@ def test_bad_tokenizer_under_torchrun_does_not_hang(tmp_path, corpus):
     result = run(["--corpus", corpus, "--tokenizer", str(tmp_path), "--out-dir", str(tmp_path / "o")], nproc=2,
                  timeout=120)
     assert result.returncode != 0
-    assert "pretrain_ddp.py: error: --tokenizer" in result.stderr  # said once, by rank 0, then all ranks exit
+    # said once, by rank 0 (which names itself), then all ranks exit
+    assert re.search(r"pretrain_ddp.py: error: rank 0 on \S+: --tokenizer", result.stderr), result.stderr[-3000:]
     assert result.stderr.count("pretrain_ddp.py: error") == 1

@@ -1,0 +1,221 @@
+"""Many nodes, simulated on one machine: every node is a torchrun agent started in a working
+directory of its own, with its own BERT_DDP_CACHE and a relative --out-dir, so the nodes share
+nothing but the loopback network. Rank 0 decides, every rank verifies (issue 9); a worker that
+dies on any node is restarted by torchrun and the job resumes exactly (issue 18)."""
+import hashlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from conftest import write_corpus
+from test_checkpoints import TORCHRUN as STANDALONE
+from test_checkpoints import final_weights, run_until
+from test_pretrain_ddp import SCRIPT, env
+
+AGENT = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
+ARGS = ["--corpus", "corpus.txt", "--vocab-size", "300", "--eval-corpus", "none", "--out-dir", "run",
+        "--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--log-to", "stdout", "--num-workers", "0",
+        "--save-every", "4", "--max-steps", "12"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def static(port):
+    """The by-hand launch: node k is --node_rank k, node 0 hosts the store."""
+    return [["--node_rank", str(k), "--master_addr", "127.0.0.1", "--master_port", str(port)] for k in (0, 1)]
+
+
+def elastic(port, max_restarts=1):
+    """The c10d rendezvous of the README's multi-node launches (ranks are assigned by torchrun)."""
+    return [["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"job{port}",
+             "--max-restarts", str(max_restarts)]] * 2
+
+
+def make_nodes(tmp_path, corpus):
+    nodes = []
+    for k in range(2):
+        node = tmp_path / f"node{k}"
+        (node / "cache").mkdir(parents=True)
+        shutil.copy(corpus, node / "corpus.txt")
+        nodes.append(str(node))
+    return nodes
+
+
+def processes_in(node, workers_only=False):
+    """pids of the processes running in a node's directory (the agent, its workers)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if cwd == node and SCRIPT.encode() in cmdline and not (workers_only and b"torch.distributed.run" in cmdline):
+            pids.append(int(pid))
+    return pids
+
+
+def kill(nodes, workers_only=False):
+    for node in nodes:
+        for pid in processes_in(node, workers_only):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def run_nodes(nodes, launches, args, on_line=None, timeout=150, extra=((), ())):
+    """One torchrun agent per node (node k's command line ends with extra[k]); on_line(k, line)
+    sees every stdout line of node k. Returns [(exit code, stdout, stderr)] per node; a job past
+    timeout is killed and fails the test."""
+    procs = [subprocess.Popen([*AGENT, *launch, SCRIPT, *args, *more], cwd=node, text=True, start_new_session=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**env(), "BERT_DDP_CACHE": os.path.join(node, "cache")})
+             for node, launch, more in zip(nodes, launches, extra, strict=True)]
+    outs, errs = [[] for _ in nodes], [[] for _ in nodes]
+
+    def read_out(k):
+        for line in procs[k].stdout:
+            outs[k].append(line)
+            if on_line:
+                on_line(k, line)
+
+    readers = [threading.Thread(target=read_out, args=(k,)) for k in range(len(nodes))]
+    readers += [threading.Thread(target=lambda k=k: errs[k].extend(procs[k].stderr)) for k in range(len(nodes))]
+    for t in readers:
+        t.start()
+    fired = []
+    timer = threading.Timer(timeout, lambda: (fired.append(1), kill(nodes)))
+    timer.start()
+    for proc in procs:
+        proc.wait()
+    timer.cancel()
+    for t in readers:
+        t.join()
+    deadline = time.time() + 30
+    while any(processes_in(n) for n in nodes) and time.time() < deadline:
+        time.sleep(0.1)
+    results = [(p.returncode, "".join(o), "".join(e)) for p, o, e in zip(procs, outs, errs, strict=True)]
+    assert not fired, f"timed out after {timeout} s (a hang?): {results}"[-4000:]
+    return results
+
+
+def folder_digest(path):
+    digest = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        digest.update(name.encode() + open(os.path.join(path, name), "rb").read())
+    return digest.hexdigest()
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(tmp_path, corpus):
+    """Separate caches, node-local out dirs: one tokenizer (rank 0's), SIGKILL of both nodes,
+    caches wiped, restart: bitwise equal to one uninterrupted run given that tokenizer."""
+    nodes = make_nodes(tmp_path, corpus)
+    killed = []
+
+    def kill_both_at_step_6(k, line):
+        if line.startswith("step 6:") and not killed:
+            killed.append(k)
+            kill(nodes)
+
+    run_nodes(nodes, static(free_port()), ARGS, kill_both_at_step_6)
+    assert killed == [0]  # rank 0 (which logs) runs on node 0
+    kept = os.path.join(nodes[0], "run", "tokenizer")
+    digest = folder_digest(kept)
+    assert not os.path.exists(os.path.join(nodes[1], "cache", "tokenizers"))  # rank 1 never trained its own
+    for node in nodes:  # the caches are wiped between the kill and the restart
+        shutil.rmtree(os.path.join(node, "cache"))
+        os.mkdir(os.path.join(node, "cache"))
+    results = run_nodes(nodes, static(free_port()), ARGS)
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    assert "resumed from run/checkpoints/step_000004 at step 4" in results[0][1]
+    assert folder_digest(kept) == digest  # the run's own tokenizer: neither retrained nor read from a cache
+    assert not any(os.listdir(os.path.join(node, "cache")) for node in nodes)
+    assert not os.path.exists(os.path.join(nodes[1], "run", "checkpoints"))  # only rank 0's node holds them
+
+    ref = str(tmp_path / "ref")
+    rc, _, err = run_until([*STANDALONE, "--nproc_per_node", "2", SCRIPT, *ARGS[:ARGS.index("--out-dir")],
+                            "--corpus", os.path.join(nodes[0], "corpus.txt"), "--tokenizer", kept,
+                            *ARGS[ARGS.index("--out-dir"):], "--out-dir", ref])
+    assert rc == 0, err[-3000:]
+    assert same_weights(final_weights(ref), final_weights(os.path.join(nodes[0], "run")))
+
+
+@pytest.mark.parametrize("case", ["flags", "corpus differs", "corpus missing", "eval corpus on node 0 only"])
+def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, case):
+    nodes = make_nodes(tmp_path, corpus)
+    args, extra = list(ARGS), [[], []]
+    if case == "flags":
+        extra[1] = ["--lr", "2e-3"]
+        expected = r"the command line is not rank 0's: \{'lr': 0.002\} here, \{'lr': 0.001\} on rank 0 \(\S+\)"
+    elif case == "corpus differs":
+        write_corpus(os.path.join(nodes[1], "corpus.txt"), 120, seed=1)
+        expected = r"the corpus of --corpus corpus.txt is not rank 0's: \{'bytes': \d+, 'index': '\w+'\} here"
+    elif case == "corpus missing":
+        os.remove(os.path.join(nodes[1], "corpus.txt"))
+        expected = r"--corpus path corpus.txt does not exist"
+    else:
+        shutil.copy(corpus, os.path.join(nodes[0], "eval.txt"))
+        args[args.index("--eval-corpus") + 1] = "eval.txt"
+        expected = r"--eval-corpus eval.txt: --corpus path eval.txt does not exist \(rank 0 has it"
+    results = run_nodes(nodes, static(free_port()), args, timeout=120, extra=extra)
+    assert all(rc != 0 for rc, _, _ in results)
+    errors = [line for _, _, err in results for line in err.splitlines() if "pretrain_ddp.py: error" in line]
+    assert len(errors) == 1, errors  # said once, by the rank that differs, on its own node
+    assert re.search(r"^pretrain_ddp.py: error: rank 1 on \S+: " + expected, errors[0]), errors[0]
+    assert "pretrain_ddp.py: error: rank 1" in results[1][2]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tokenizer, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus, tok_dir):
+    """Final weights of the job below, uninterrupted, on one node."""
+    out = str(tmp_path_factory.mktemp("reference") / "run")
+    rc, _, err = run_until([*STANDALONE, "--nproc_per_node", "2", SCRIPT, *ARGS, "--corpus", corpus,
+                            "--tokenizer", tok_dir, "--out-dir", out])
+    assert rc == 0, err[-3000:]
+    return final_weights(out)
+
+
+@pytest.mark.parametrize("victim", ["other node", "rank 0's node", "other node again", "rank 0's node again"])
+def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, tok_dir, reference, victim):
+    """torchrun --max-restarts 1 on two c10d agents, node-local out dirs: SIGKILL one worker (as
+    an OOM kill would); the job restarts, resumes from rank 0's newest checkpoint, ends bitwise
+    equal to the uninterrupted job. Repeated: which restart each agent sees first is a race."""
+    nodes = make_nodes(tmp_path, corpus)
+    killed = []
+
+    def kill_a_worker_at_step_6(k, line):  # k: the node whose stdout logs, i.e. rank 0's
+        if line.startswith("step 6:") and not killed:
+            killed.append(k if victim.startswith("rank 0") else 1 - k)
+            kill([nodes[killed[0]]], workers_only=True)
+
+    results = run_nodes(nodes, elastic(free_port()), [*ARGS, "--tokenizer", tok_dir], kill_a_worker_at_step_6)
+    assert killed and [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    holder = [k for k in (0, 1) if os.path.isdir(os.path.join(nodes[k], "run", "checkpoints"))]
+    assert len(holder) == 1  # shared nothing: one node's out dir holds every checkpoint
+    stdout = results[holder[0]][1]
+    assert "resumed from run/checkpoints/step_000004 at step 4" in stdout, stdout[-3000:]
+    assert same_weights(reference, final_weights(os.path.join(nodes[holder[0]], "run")))
