@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -246,3 +247,53 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, t
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step_{stopped_at:06d}"
     rc, again, err2 = run_until([*cmd, "--max-steps", str(stopped_at + 2)])
     assert rc == 0 and f"at step {stopped_at}," in again and summary(out)["steps"] == stopped_at + 2, err2[-2000:]
+
+
+def test_rollback_then_auto_follows_the_rollback(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
+            "--keep-last", "10"]
+    rc, _, err = run_until([*base, "--max-steps", "12"])
+    assert rc == 0, err[-3000:]
+    ckpts = os.path.join(out, "checkpoints")
+    rc, stdout, err = run_until([*base, "--max-steps", "6", "--resume", os.path.join(ckpts, "step_000004")])
+    assert rc == 0 and f"resumed from {ckpts}/step_000004" in stdout, err[-3000:]
+    assert f"step 6, 8, 10, 12 are newer than the timeline resumed here (step 4); moved to {ckpts}/abandoned" in err
+    assert sorted(os.listdir(os.path.join(ckpts, "abandoned"))) == [f"step_0000{s:02d}" for s in (6, 8, 10, 12)]
+    # A complete checkpoint newer than `latest` (a crash between the rename and the pointer, or a copy
+    # put back by hand) is not the timeline either: --resume auto takes the rollback's step 6, not 12.
+    shutil.copytree(os.path.join(ckpts, "abandoned", "step_000012"), os.path.join(ckpts, "step_000012"))
+    rc, stdout, err = run_until([*base, "--max-steps", "8"])
+    assert rc == 0 and f"resumed from {ckpts}/step_000006 at step 6" in stdout, err[-3000:]
+    assert "step 12 are newer than the timeline resumed here (step 6)" in err
+    assert summary(out)["steps"] == 8
+
+
+def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, tok_dir):
+    from conftest import write_corpus
+
+    import data_stream
+    text = str(tmp_path / "corpus.txt")
+    shutil.copy(corpus, text)
+    out = str(tmp_path / "run")
+    base = [sys.executable, *common(text, tok_dir, out), "--num-workers", "0", "--save-every", "2"]
+    rc, _, err = run_until([*base, "--max-steps", "3"])
+    assert rc == 0, err[-3000:]
+    other_dir = str(tmp_path / "other_tok")  # same size, another vocabulary
+    data_stream.get_tokenizer(None, [write_corpus(tmp_path / "other.txt", 60, seed=7)], 300).save_pretrained(other_dir)
+    kept = data_stream.get_tokenizer(os.path.join(out, "tokenizer"))
+    other = data_stream.get_tokenizer(other_dir)
+    rc, _, err = run_until([*base, "--max-steps", "4", "--tokenizer", other_dir])
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"it trained with tokenizer {P.tokenizer_hash(kept)}, this run's (--tokenizer {other_dir}) is " \
+           f"{P.tokenizer_hash(other)}" in err
+    with open(text, "a") as f:
+        f.write("\na new document .\nwith two sentences .\n")
+    rc, _, err = run_until([*base, "--max-steps", "4"])
+    assert rc == 2 and "the corpus changed" in err and "--allow-corpus-change" in err, err
+    rc, stdout, err = run_until([*base, "--max-steps", "4", "--allow-corpus-change"])
+    assert rc == 0 and "epoch 0 restarts on the new corpus" in err and "resumed from" in stdout, err[-3000:]
+    rc, stdout, err = run_until([*base, "--max-steps", "5"])  # the new corpus is the run's now
+    assert rc == 0 and "resumed from" in stdout, err[-3000:]
+
+

@@ -219,3 +219,21 @@ def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, t
     stdout = results[holder[0]][1]
     assert "resumed from run/checkpoints/step_000004 at step 4" in stdout, stdout[-3000:]
     assert same_weights(reference, final_weights(os.path.join(nodes[holder[0]], "run")))
+
+
+def test_restarts_used_up_end_every_agent_with_one_line(tmp_path, corpus, tok_dir):
+    nodes = make_nodes(tmp_path, corpus)
+    killed = []
+
+    def kill_the_other_worker(k, line):
+        if line.startswith("step 6:") and not killed:
+            killed.append(1 - k)
+            kill([nodes[1 - k]], workers_only=True)
+
+    results = run_nodes(nodes, elastic(free_port(), max_restarts=0), [*ARGS, "--tokenizer", tok_dir],
+                        kill_the_other_worker, timeout=90)
+    assert killed and all(rc != 0 for rc, _, _ in results)  # both agents ended by themselves
+    errors = [line for _, _, err in results for line in err.splitlines() if "pretrain_ddp.py: error" in line]
+    assert len(errors) == 1 and re.match(r"pretrain_ddp.py: error: rank 0 on \S+: lost the other ranks \(.*"
+                                         r"Connection (closed|reset) by peer", errors[0]), errors
+    assert "exitcode: -9" in results[killed[0]][2]  # and torchrun names the rank that was killed

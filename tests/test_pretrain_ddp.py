@@ -1,13 +1,18 @@
 """pretrain_ddp.py end to end: real processes, real torchrun + gloo on the CPU, each bounded by a
 timeout so that a hang fails the test instead of stalling CI."""
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from conftest import ROOT, write_corpus
+
+import pretrain_ddp as P
 
 SCRIPT = os.path.join(ROOT, "pretrain_ddp.py")
 FAST = ["--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--eval-every", "1000", "--log-to", "stdout"]
@@ -147,3 +152,79 @@ def test_bad_tokenizer_under_torchrun_does_not_hang(tmp_path, corpus):
     # said once, by rank 0 (which names itself), then all ranks exit
     assert re.search(r"pretrain_ddp.py: error: rank 0 on \S+: --tokenizer", result.stderr), result.stderr[-3000:]
     assert result.stderr.count("pretrain_ddp.py: error") == 1
+
+
+def test_rank0_preparation_outlasts_the_collective_timeout(tmp_path):
+    """A fresh cache: rank 0 builds the builtin corpus, trains the tokenizer and counts the steps
+    (seconds here, hours on a big corpus) while rank 1 waits; --dist-timeout bounds only the
+    training collectives, so a preparation far longer than it still starts the run."""
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
+           "--out-dir", out, "--max-steps", "2", "--log-to", "stdout", "--eval-corpus", "none", "--num-workers", "0",
+           "--dist-timeout", "0.03"]  # 1.8 s
+    t0 = time.time()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                            env={**env(), "BERT_DDP_CACHE": str(tmp_path / "cache")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.time() - t0 > 3 * 1.8  # the preparation really outlasted the timeout
+    assert summary(out)["steps"] == 2
+
+
+def test_lr_plan_continues_and_never_jumps_up():
+    plan = {"total": 100, "warmup": 10, "batch": 64, "decay_from": [10, 1.0], "steps_per_epoch": 50.0}
+    curve = [P.lr_factor(plan, pos) for pos in range(101)]
+    assert curve[0] == 0.1 and curve[9] == 1.0 and curve[10] == 1.0 and curve[55] == 0.5 and curve[100] == 0.0
+    at_60 = P.lr_factor(plan, 60)
+
+    class Flags:
+        epochs, max_steps = 2, None
+
+    # at plan position 60: more epochs; --max-steps at twice the planned batch (a step counts 2); fewer steps
+    for epochs, max_steps, step, batch, total in ((4, None, 60, 64, 200), (2, 70, 55, 128, 90), (2, 65, 60, 64, 65)):
+        Flags.epochs, Flags.max_steps = epochs, max_steps
+        new = P.replan(plan, 60, step, Flags, batch)
+        assert new["total"] == total
+        after = [P.lr_factor(new, pos) for pos in range(60, 301)]
+        assert after[0] == pytest.approx(at_60)  # continues from today's LR...
+        assert all(a >= b for a, b in zip(after, after[1:], strict=False)) and after[-1] == 0  # ...to 0, never up
+    Flags.epochs, Flags.max_steps = 2, None  # during warmup the warmup is kept
+    assert P.lr_factor(P.replan(plan, 5, 5, Flags, 64), 5) == curve[5]
+
+
+def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer):
+    import copy
+
+    import data_stream
+    stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
+    batch, masked, _ = P.prepare(next(iter(stream)), torch.device("cpu"))
+    torch.manual_seed(0)
+    model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.0, tokenizer.pad_token_id))
+    before = copy.deepcopy(model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters())
+    for init_scale, skipped in ((2.0 ** 127, True), (1.0, False)):  # 2^127 x the loss overflows fp32
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+        _, _, overflowed = P.train_step(model, optimizer, scaler, [batch], masked, 4, 1, contextlib.nullcontext(),
+                                        1.0, 1e-3)
+        assert overflowed == skipped
+        unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        assert unchanged == skipped
+
+
+def test_resize_resume_keeps_the_lr_plan(tmp_path, corpus, tok_dir):
+    """1 rank for part of an epoch, SIGKILL, resumed on 2 ranks: the plan (in samples) continues,
+    the LR stays above 0 to the end of the data and is near 0 there."""
+    from test_checkpoints import crash_at, run_until
+    out = str(tmp_path / "run")
+    args = [SCRIPT, "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out,
+            "--epochs", "1", "--max-seq-len", "32", "--batch-size", "8", "--num-workers", "0", "--log-every", "1",
+            "--log-to", "stdout", "--save-every", "40"]
+    rc, stdout, _ = run_until([sys.executable, *args], crash_at(r"^step 50:"))
+    assert rc != 0 and "step 50:" in stdout
+    rc, stdout, err = run_until([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", *args])
+    assert rc == 0 and "resumed from" in stdout and "a step now counts as 2 planned steps" in err, \
+        stdout[-2000:] + err[-3000:]
+    lrs = [float(x) for x in re.findall(r"train/lr (\S+),", stdout)]
+    s = summary(out)
+    assert len(lrs) > 20 and all(lr > 0 for lr in lrs), lrs
+    assert lrs[-1] < 0.25 * max(lrs) and s["lr_plan_position"] > 0.75 * s["lr_plan"]["total"], (lrs, s)
