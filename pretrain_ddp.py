@@ -522,16 +522,19 @@ def save_checkpoint(root, step, files, meta, keep_last):
     manifest = {"meta": meta, "sha256": {f: _sha256(os.path.join(tmp, f)) for f in files}}
     _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     _fsync_dir(tmp)
+    # The pointer moves first: a crash before the rename leaves it naming a step that is missing or
+    # incomplete, and --resume auto takes the newest complete one below it. (Moved after, a crash
+    # between would make the new complete checkpoint look abandoned.)
+    point_latest(root, name)
     if os.path.exists(final):  # the same step saved twice (e.g. a resumed run's final save)
         old = os.path.join(root, f".old-{name}")
         shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
+        os.rename(final, old)  # a crash before the next rename leaves only .old-: choose_checkpoint restores it
         os.rename(tmp, final)
         shutil.rmtree(old)
     else:
         os.rename(tmp, final)
     _fsync_dir(root)
-    point_latest(root, name)
     for old in sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-keep_last]:
         shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     return final
@@ -561,10 +564,16 @@ def point_latest(root, name):
 def choose_checkpoint(args, root):
     """Rank 0's choice: (path, checkpoint) to resume, or (None, None) to start afresh.
 
-    `latest` names the timeline. A step_* newer than it was abandoned (by a rollback to an older
-    step, or a crash between renaming a checkpoint and moving the pointer): it is moved to
-    checkpoints/abandoned/ with a warning and never resumed, nor counted by --keep-last.
+    `latest` names the timeline. A step_* newer than the checkpoint resumed belongs to a timeline
+    abandoned by a rollback to an older step (or is damaged): it is moved to checkpoints/abandoned/
+    with a warning and never resumed, nor counted by --keep-last.
     """
+    for d in os.listdir(root) if os.path.isdir(root) else []:
+        if d.startswith(".old-step_"):  # a re-save crashed between its renames (save_checkpoint)
+            if os.path.isdir(os.path.join(root, d[5:])):
+                shutil.rmtree(os.path.join(root, d))
+            else:
+                os.rename(os.path.join(root, d), os.path.join(root, d[5:]))
     steps = {int(d[5:]): d for d in (os.listdir(root) if os.path.isdir(root) else [])
              if d.startswith("step_") and d[5:].isdigit()}
     if args.resume == "none":
@@ -995,7 +1004,7 @@ def main(argv=None):
                     lr=args.lr * lr_factor(plan, plan_pos))
     eval_metrics, train_loss, grad_norm = {}, float("nan"), None
     t_start, start = time.perf_counter(), (step, tokens_seen, flops_done)  # rates count this run only
-    stopped, last_eval_step = False, None
+    stopped, last_eval_step, overflow_skips = False, None, 0
     step_limit = args.max_steps or math.inf  # else the epochs end the run (the plan is an estimate)
     while epoch < args.epochs and step < step_limit and not stopped:
         if resume_data is not None and resume_data["epoch"] == epoch:
@@ -1041,6 +1050,7 @@ def main(argv=None):
                 interval[key] += value
             interval["lr"] = lr
             if overflowed:  # fp16: GradScaler skipped the update; neither the step nor the plan moves
+                overflow_skips += 1
                 continue
             step, plan_pos = step + 1, plan_pos + step_in_plan
             if step % args.log_every == 0:
@@ -1091,14 +1101,17 @@ def main(argv=None):
         print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
               f"{eta_h:.2f} h; {tokens_run / max(elapsed, 1e-9):,.0f} tokens/s"
               + (f", MFU {flops_run / max(elapsed, 1e-9) / (peak * world_size):.1%}" if peak else ""))
+        if overflow_skips:
+            print(f"fp16: {overflow_skips} steps skipped by the GradScaler (gradients overflowed; the loss scale "
+                  f"is now {scaler.get_scale():g})")
         summary = {"steps": step, "planned_steps": total_steps, "epochs_done": epoch,
                    "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,
                    "samples_seen": samples_seen,
                    "tokens_seen": tokens_seen, "tokens_per_sec": tokens_run / max(elapsed, 1e-9),
                    "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
                    "steps_per_hour": steps_per_hour, "unused_samples_per_epoch": unused_per_epoch,
-                   "stopped_by_signal": stopped, "estimate": run["estimate"], "lr_plan": plan,
-                   "lr_plan_position": plan_pos}
+                   "stopped_by_signal": stopped, "fp16_overflow_skips": overflow_skips, "estimate": run["estimate"],
+                   "lr_plan": plan, "lr_plan_position": plan_pos}
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         export_hf(raw_model.hf, tokenizer, out_dir)

@@ -1,5 +1,6 @@
 """Run under torchrun: N ranks x A micro-batches must give the same weights as 1 process with
-one batch of N*A*B (the loss normalisation and no_sync() of pretrain_ddp.train_step)."""
+one batch of N*A*B (the loss normalisation and no_sync() of pretrain_ddp.train_step), without
+clipping (any constant scale of the gradient shows) and with it (clipping on the global norm)."""
 import contextlib
 import copy
 import os
@@ -32,7 +33,7 @@ def global_batches(step, count):
     return out
 
 
-def run(model, world_size, windows_of_step):
+def run(model, world_size, windows_of_step, clip):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     for step in range(STEPS):
@@ -41,20 +42,21 @@ def run(model, world_size, windows_of_step):
         g_samples = sum(len(b["input_ids"]) for b in everything)
         window = [P.prepare(dict(b), torch.device("cpu"))[0] for b in windows_of_step(everything)]
         P.train_step(model, opt, scaler, window, g_masked, g_samples, world_size,
-                     contextlib.nullcontext(), clip=0.5, lr=0.5)
+                     contextlib.nullcontext(), clip=clip, lr=0.5)
 
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
-torch.manual_seed(0)
-model = P.Pretraining(P.build_model("tiny", "nsp", VOCAB, WIDTH, 0.0, 0))
-reference, initial = copy.deepcopy(model), copy.deepcopy(model)
-run(DDP(model), world, lambda everything: everything[rank * ACCUM:(rank + 1) * ACCUM])
-if rank == 0:
-    def one_batch(everything):
-        return [{k: torch.cat([b[k] for b in everything]) for k in everything[0]}]
-    run(reference, 1, one_batch)
-    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters(), strict=True))
-    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), initial.parameters(), strict=True))
-    print(f"RESULT max_diff={diff:.3e} moved={moved:.3e}", flush=True)
+for clip in (0.0, 0.5):
+    torch.manual_seed(0)
+    model = P.Pretraining(P.build_model("tiny", "nsp", VOCAB, WIDTH, 0.0, 0))
+    reference, initial = copy.deepcopy(model), copy.deepcopy(model)
+    run(DDP(model), world, lambda everything: everything[rank * ACCUM:(rank + 1) * ACCUM], clip)
+    if rank == 0:
+        def one_batch(everything):
+            return [{k: torch.cat([b[k] for b in everything]) for k in everything[0]}]
+        run(reference, 1, one_batch, clip)
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+        moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), initial.parameters(), strict=True))
+        print(f"RESULT clip={clip} max_diff={diff:.3e} moved={moved:.3e}", flush=True)
 dist.destroy_process_group()

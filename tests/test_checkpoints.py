@@ -2,6 +2,7 @@
 safe loading, Hugging Face export. Every process is bounded by a timeout."""
 import glob
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -297,3 +298,74 @@ def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, 
     assert rc == 0 and "resumed from" in stdout, err[-3000:]
 
 
+
+class Crash(Exception):
+    pass
+
+
+def crash_on_call(monkeypatch, k):
+    """Make the k-th file-system step of a save raise Crash; a crashing _write leaves half its file."""
+    real_write, real_rename, real_rmtree, real_fsync = P._write, os.rename, shutil.rmtree, P._fsync_dir
+    calls = []
+
+    def hook(real, *a, half=False, **kw):
+        calls.append(1)
+        if len(calls) == k:
+            if half:
+                buffer = io.BytesIO()
+                a[1](buffer)
+                with open(a[0], "wb") as f:
+                    f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            raise Crash
+        return real(*a, **kw)
+
+    monkeypatch.setattr(P, "_write", lambda *a: hook(real_write, *a, half=True))
+    monkeypatch.setattr(os, "rename", lambda *a: hook(real_rename, *a))
+    monkeypatch.setattr(shutil, "rmtree", lambda *a, **kw: hook(real_rmtree, *a, **kw))
+    monkeypatch.setattr(P, "_fsync_dir", lambda *a: hook(real_fsync, *a))
+
+
+def test_a_save_that_dies_midway_never_costs_a_complete_checkpoint(tmp_path, monkeypatch):
+    """Die at every file-system step of a save (half of a file written, before each rename, fsync
+    and delete), saving a new step and re-saving an existing one: --resume auto then resumes a
+    complete checkpoint (the new one or the one before), and every checkpoint that was complete
+    before the save still is."""
+    def files(value):
+        return {"trainer.pt": {"w": torch.full((256,), value)}, "ranks.pt": [{"value": value}]}
+
+    def complete(root):
+        """{step: the value its files hold} for every complete checkpoint."""
+        found = {}
+        for d in os.listdir(root):
+            loaded, _ = P.read_checkpoint(os.path.join(root, d))
+            if d.startswith("step_") and loaded is not None:
+                assert torch.equal(loaded["trainer.pt"]["w"], torch.full((256,), loaded["meta"]["value"]))
+                found[int(d[5:])] = loaded["meta"]["value"]
+        return found
+
+    class Flags:
+        resume, overwrite = "auto", False
+
+    pristine = str(tmp_path / "pristine")
+    P.save_checkpoint(pristine, 4, files(4.0), {"step": 4, "value": 4.0}, keep_last=5)
+    P.save_checkpoint(pristine, 8, files(8.0), {"step": 8, "value": 8.0}, keep_last=5)
+    for step, value in ((12, 12.0), (8, 8.5)):  # a new step; the same step again (a resumed run's final save)
+        for k in range(1, 100):
+            root = str(tmp_path / f"crash_{step}_{k}")
+            shutil.copytree(pristine, root)
+            crash_on_call(monkeypatch, k)
+            try:
+                P.save_checkpoint(root, step, files(value), {"step": step, "value": value}, keep_last=5)
+                break  # k is past the save's last step
+            except Crash:
+                pass
+            finally:
+                monkeypatch.undo()
+            saved = complete(root).get(step) == value  # the new one made it to its place
+            path, loaded = P.choose_checkpoint(Flags, root)
+            assert loaded is not None, (step, k)
+            expected = {(step, value)} if saved else {(8, 8.0), (step, value)}
+            assert (loaded["meta"]["step"], loaded["meta"]["value"]) in expected, (step, k, path)
+            after = complete(root)
+            assert after[4] == 4.0 and after.get(8) in (8.0, 8.5), (step, k, after)
+        assert k > 8, k  # every write, rename, fsync and delete of the save was a crash point

@@ -185,7 +185,7 @@ def test_nsp_samples_decode_to_the_source(corpus, tokenizer):
     stream = make_stream(corpus, tokenizer, max_seq_len=48, mask_prob=0.0)
     docs = [stream.segments(d) for d in range(stream.num_docs)]
     doc_text = [" " + " ".join(str(t) for s in segs for t in s) + " " for segs in docs]
-    n_random = n_total = 0
+    n_random = n_total = n_unique_pairs = 0
     for b in stream:
         for row in range(len(b["input_ids"])):
             ids = b["input_ids"][row][b["attention_mask"][row].bool()].tolist()
@@ -201,9 +201,13 @@ def test_nsp_samples_decode_to_the_source(corpus, tokenizer):
             is_random = int(b["next_sentence_label"][row])
             if not is_random:
                 assert a_docs & b_docs
+            elif len(a_docs) == len(b_docs) == 1:  # each text found in one document only
+                assert a_docs != b_docs, (a_docs, b_docs)  # a random B comes from another document
+                n_unique_pairs += 1
             n_random += is_random
             n_total += 1
     assert 0.4 < n_random / n_total < 0.75  # 50% random + every one-sentence chunk
+    assert n_unique_pairs > 0.5 * n_random, (n_unique_pairs, n_random)
 
 
 def google_create_instances(seg_lens, max_num_tokens, short_seq_prob, doc_id, num_docs, rng):
