@@ -1,59 +1,69 @@
 """
-Stream BERT pretraining batches from a text corpus of any size, sharded over DDP ranks and
-DataLoader workers, reshuffled every epoch, and resumable exactly from a cursor.
+Stream BERT pretraining batches from a corpus of any size, sharded over DDP ranks and DataLoader
+workers, reshuffled every epoch, and resumable exactly from a cursor.
 
-Corpus format (the original BERT one): one sentence per line, a blank line between documents.
-`--corpus builtin` is English prose that ships with CPython (the pydoc topics plus standard
-library docstrings), so nothing is ever downloaded.
+Corpora: BERT's own text format (one sentence per line, a blank line between documents; .txt or
+.txt.gz), JSON lines ({"text": ...} per line; .jsonl, .jsonl.gz), parquet files and folders written
+by Hugging Face `datasets.Dataset.save_to_disk` (.arrow), alone or mixed. `--corpus builtin` is
+English prose that ships with CPython (the pydoc topics plus standard library docstrings), so
+nothing is ever downloaded.
 
     python data_stream.py --show 3                 # decoded samples from the builtin corpus
     python data_stream.py --corpus my_texts/ --bench
+    python data_stream.py --corpus wiki.jsonl.gz --build-cache   # tokenize ahead, on all cores
 
-Design, in short:
-- A one-time byte-offset index of documents (a few numbers per document); documents are read
-  by offset when needed, so memory does not grow with the corpus.
-- Each epoch permutes the documents (same on every rank) and cuts the permutation into
-  world_size x num_workers byte-balanced shards: every document is read by exactly one
-  (rank, worker).
-- Every random choice for a document (pairs, NSP, masking) comes from an RNG keyed by
-  (seed, epoch, document id), so a resumed worker needs only its position, not RNG state.
-- Each batch carries a cursor (shard, chunk, offset); the trainer reports the ones it has
-  consumed with `stream.consumed(batch)` and checkpoints `stream.state_dict()`.
+The layers, one section each, each knowing only the one below it:
+1. Reading: a corpus -> numbered documents, each a list of sentences. A one-time offset index
+   (cached on disk) says where each document is; documents are read by position when needed, so
+   memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes.
+2. Tokenizer: a WordPiece trained on an evenly spread sample of the corpus (or a folder).
+3. Token cache: the first time a document is tokenized, its ids go to a memory-mapped cache shared
+   by the processes of a machine; later epochs and runs read ids, never text.
+4. Samples: BERT's sentence pairs (Google's rules) or packed windows, masked per batch in numpy.
+   Every random choice comes from an RNG keyed by (seed, epoch, document, purpose).
+5. Order: each epoch permutes the documents and cuts them into ranks x workers byte-balanced
+   shards; a worker keeps --shuffle-docs documents open and draws each sample from a random one of
+   them, so a batch mixes many documents. Its cursor (which documents are open, how far each is
+   read) is small and exact: `stream.consumed(batch["cursor"])`, `stream.state_dict()`.
 """
 
 import argparse
 import ast
+import contextlib
+import fcntl
 import glob
 import gzip
 import hashlib
 import json
+import mmap
 import os
 import re
 import shutil
 import sys
 import sysconfig
 import time
+import uuid
 import warnings
-
-# The Rust tokenizer's own thread pool deadlocks after fork() into DataLoader workers.
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 CACHE_DIR = os.path.expanduser(os.environ.get("BERT_DDP_CACHE", "~/.cache/bert_ddp"))
-MAX_LINE_BYTES = 1 << 16   # longer lines are cut into pieces of this size (bounded memory)
-MAX_DOC_BYTES = 1 << 20    # longer documents are cut into several documents at a line
-DOCS_PER_CHUNK = 16        # samples are shuffled within a chunk of this many documents
+MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bounded memory)
+MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
+SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
+TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
+PIECE_TOKENS = 1 << 20      # the token cache is written in pieces of about this many tokens
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+INDEX_VERSION, CACHE_VERSION = 2, 1  # bump when the index or cache layout changes
 
 
 class CorpusError(Exception):
     """A user mistake about the corpus or tokenizer; the CLIs print it as one line."""
 
 
-# ----------------------------------------------------------------------------- corpus files
+# ============================================================================= 1. reading
 
 def _atomic_write_text(path, text):
     tmp = f"{path}.tmp{os.getpid()}"
@@ -64,8 +74,20 @@ def _atomic_write_text(path, text):
     os.replace(tmp, path)
 
 
-def _split_sentences(text):
-    """Prose paragraphs -> sentences; code examples and tables are dropped."""
+@contextlib.contextmanager
+def _machine_lock(path):
+    """One process of the machine at a time (the ranks of a node share the cache directory)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _split_prose(text):
+    """Prose paragraphs -> sentences; code examples and tables are dropped (builtin corpus only)."""
     sentences = []
     for para in re.split(r"\n\s*\n", text):
         lines = [ln.strip() for ln in para.splitlines()]
@@ -101,7 +123,7 @@ def build_builtin_corpus():
                     doc = ast.get_docstring(node)
                     if doc and len(doc) > 300:
                         texts.append(doc)
-    docs = [s for s in (_split_sentences(t) for t in texts) if len(s) >= 2]
+    docs = [s for s in (_split_prose(t) for t in texts) if len(s) >= 2]
     os.makedirs(out_dir, exist_ok=True)
     # Every 20th document is held out for evaluation and never enters the training stream.
     for path, part in ((eval_path, docs[::20]), (train_path, [d for i, d in enumerate(docs) if i % 20])):
@@ -114,22 +136,50 @@ def _plain_copy(path):
     st = os.stat(path)
     key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
     out = os.path.join(CACHE_DIR, "gunzip", f"{key}-{os.path.basename(path)[:-3]}")
-    if not os.path.exists(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        tmp = f"{out}.tmp{os.getpid()}"
-        try:
-            with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except (OSError, EOFError) as e:
-            raise CorpusError(f"corpus file {path} is not a readable gzip file ({e})") from None
-        os.replace(tmp, out)
+    with _machine_lock(out + ".lock"):
+        if not os.path.exists(out):
+            tmp = f"{out}.tmp{os.getpid()}"
+            try:
+                with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            except (OSError, EOFError) as e:
+                raise CorpusError(f"corpus file {path} is not a readable gzip file ({e})") from None
+            os.replace(tmp, out)
     return out
+
+
+def file_format(path):
+    """'text', 'jsonl', 'parquet' or 'arrow', by the name (a .gz is read as what it holds)."""
+    name = path[:-3] if path.endswith(".gz") else path
+    if name.endswith((".jsonl", ".json", ".ndjson")):
+        return "jsonl"
+    if name.endswith(".parquet"):
+        return "parquet"
+    if name.endswith(".arrow"):
+        return "arrow"
+    return "text"
+
+
+CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".ndjson", ".parquet", ".arrow")
+
+
+def _dataset_folder(folder, split):
+    """A `save_to_disk` DatasetDict folder -> its split's folder (a plain Dataset folder as is)."""
+    dict_file = os.path.join(folder, "dataset_dict.json")
+    if not os.path.exists(dict_file):
+        return folder
+    with open(dict_file) as f:
+        splits = json.load(f).get("splits", [])
+    if split not in splits:
+        raise CorpusError(f"--corpus {folder} is a DatasetDict with splits {', '.join(splits)}: "
+                          f"give the folder of one, e.g. {os.path.join(folder, splits[0] if splits else 'train')}")
+    return os.path.join(folder, split)
 
 
 def resolve_corpus(spec, split="train"):
     """'builtin', a file, a directory, a glob, or a comma-separated list of these -> file paths."""
     files = []
-    for part in [p for p in spec.split(",") if p]:
+    for part in [p for p in spec.split(",") if p] if isinstance(spec, str) else list(spec):
         if part == "builtin":
             files.append(build_builtin_corpus()[0 if split == "train" else 1])
         elif any(c in part for c in "*?["):
@@ -138,10 +188,12 @@ def resolve_corpus(spec, split="train"):
                 raise CorpusError(f"--corpus glob {part!r} matches no file")
             files += found
         elif os.path.isdir(part):
-            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(part) for f in fs
-                           if f.endswith((".txt", ".txt.gz")) and not f.startswith("."))
+            # datasets' cache-*.arrow files are intermediate results, not the dataset
+            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(_dataset_folder(part, split)) for f in fs
+                           if f.endswith(CORPUS_SUFFIXES) and not f.startswith((".", "cache-")))
             if not found:
-                raise CorpusError(f"--corpus directory {part} holds no .txt or .txt.gz files")
+                raise CorpusError(f"--corpus directory {part} holds no .txt, .jsonl, .parquet or .arrow files "
+                                  "(.gz allowed for text and jsonl)")
             files += found
         elif os.path.isfile(part):
             files.append(part)
@@ -149,86 +201,329 @@ def resolve_corpus(spec, split="train"):
             raise CorpusError(f"--corpus path {part} does not exist")
     if not files:
         raise CorpusError("--corpus is empty: give a file, a directory, a glob or 'builtin'")
-    return [_plain_copy(f) if f.endswith(".gz") else f for f in files]
+    return files
 
 
-def index_documents(files):
-    """One pass over the corpus -> per-document (file, start, end) byte offsets.
-
-    Memory is a few numbers per document, never the text. Documents longer than MAX_DOC_BYTES
-    are cut at a line, lines longer than MAX_LINE_BYTES at a character boundary.
-    """
-    file_ids, starts, ends, bad_lines = [], [], [], 0
-    for file_id, path in enumerate(files):
-        with open(path, "rb") as f:
-            pos, doc_start = 0, None
-            while True:
-                line = f.readline(MAX_LINE_BYTES)
-                if not line:
-                    break
-                if len(line) == MAX_LINE_BYTES and not line.endswith(b"\n"):
-                    k = len(line) - 1  # step back to the start of a multi-byte UTF-8 character
-                    while k > 0 and (line[k] & 0xC0) == 0x80:
-                        k -= 1
-                    if line[k] >= 0xC0:
-                        line = line[:k]
-                        f.seek(pos + k)
-                if line.strip():
-                    try:
-                        line.decode("utf-8")
-                    except UnicodeDecodeError:
-                        bad_lines += 1
-                    if doc_start is None:
-                        doc_start = pos
-                    elif pos - doc_start >= MAX_DOC_BYTES:
-                        file_ids.append(file_id), starts.append(doc_start), ends.append(pos)
-                        doc_start = pos
-                elif doc_start is not None:
-                    file_ids.append(file_id), starts.append(doc_start), ends.append(pos)
-                    doc_start = None
-                pos += len(line)
-            if doc_start is not None:
-                file_ids.append(file_id), starts.append(doc_start), ends.append(pos)
-    if bad_lines:
-        warnings.warn(f"corpus: {bad_lines} line(s) hold bytes that are not UTF-8; they were replaced", stacklevel=2)
-    if not starts:
-        raise CorpusError(f"corpus {', '.join(files)} holds no text (every line is blank)")
-    return {"file": np.array(file_ids, np.int32), "start": np.array(starts, np.int64),
-            "end": np.array(ends, np.int64)}
+def _pyarrow(path):
+    try:
+        import pyarrow  # noqa: F401
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise CorpusError(f"corpus file {path} needs pyarrow: pip install pyarrow") from None
+    import pyarrow as pa
+    return pa
 
 
-def split_lines(raw):
-    """A document's bytes -> its non-blank lines (sentences), long lines cut into pieces."""
-    lines = []
-    for line in raw.decode("utf-8", errors="replace").split("\n"):
+def _text_parts(text_lengths, max_doc_bytes):
+    """Records -> (record, part) pairs: a record longer than max_doc_bytes is read as several parts."""
+    parts = np.maximum(1, -(-np.asarray(text_lengths, np.int64) // max_doc_bytes))
+    record = np.repeat(np.arange(len(parts)), parts)
+    part = np.arange(len(record)) - np.repeat(np.cumsum(parts) - parts, parts)
+    size = np.minimum(np.asarray(text_lengths, np.int64)[record] - part * max_doc_bytes, max_doc_bytes)
+    return record, part, np.maximum(size, 1)
+
+
+def _index_text(path, max_doc_bytes):
+    """BERT format: (start, end) byte offsets of documents; long documents cut at a line, long
+    lines at a UTF-8 character boundary. Returns starts, ends, and the count of non-UTF-8 lines."""
+    starts, ends, bad_lines = [], [], 0
+    with open(path, "rb") as f:
+        pos, doc_start = 0, None
+        while True:
+            line = f.readline(MAX_LINE_BYTES)
+            if not line:
+                break
+            if len(line) == MAX_LINE_BYTES and not line.endswith(b"\n"):
+                k = len(line) - 1  # step back to the start of a multi-byte UTF-8 character
+                while k > 0 and (line[k] & 0xC0) == 0x80:
+                    k -= 1
+                if line[k] >= 0xC0:
+                    line = line[:k]
+                    f.seek(pos + k)
+            if line.strip():
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError:
+                    bad_lines += 1
+                if doc_start is None:
+                    doc_start = pos
+                elif pos - doc_start >= max_doc_bytes:
+                    starts.append(doc_start), ends.append(pos)
+                    doc_start = pos
+            elif doc_start is not None:
+                starts.append(doc_start), ends.append(pos)
+                doc_start = None
+            pos += len(line)
+        if doc_start is not None:
+            starts.append(doc_start), ends.append(pos)
+    starts, ends = np.array(starts, np.int64), np.array(ends, np.int64)
+    return {"start": starts, "end": ends, "part": np.zeros(len(starts), np.int32), "bytes": ends - starts,
+            "bad": bad_lines, "empty": 0}
+
+
+def _json_text(line, path, line_no, text_field):
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise CorpusError(f"{path}, line {line_no}: not valid JSON ({e.args[0].split(':')[0]}); "
+                          "fix or remove the line") from None
+    if not isinstance(record, dict) or text_field not in record:
+        has = ", ".join(list(record)[:8]) if isinstance(record, dict) else type(record).__name__
+        raise CorpusError(f"{path}, line {line_no}: no field {text_field!r} (it has: {has}); "
+                          "name the text with --text-field")
+    text = record[text_field]
+    if text is not None and not isinstance(text, str):
+        raise CorpusError(f"{path}, line {line_no}: field {text_field!r} is a {type(text).__name__}, not text")
+    return text or ""
+
+
+def _index_jsonl(path, text_field, max_doc_bytes):
+    """JSON lines: one record per line, indexed by byte offsets; records parsed once here, so a bad
+    line is reported before training rather than in the middle of it."""
+    starts, ends, lengths, empty = [], [], [], 0
+    with open(path, "rb") as f:
+        pos = 0
+        for line_no, line in enumerate(f, 1):
+            if line.strip():
+                text = _json_text(line, path, line_no, text_field)
+                if text.strip():
+                    starts.append(pos), ends.append(pos + len(line)), lengths.append(len(text))
+                else:
+                    empty += 1
+            pos += len(line)
+    record, part, size = _text_parts(lengths, max_doc_bytes)
+    return {"start": np.array(starts, np.int64)[record], "end": np.array(ends, np.int64)[record],
+            "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
+
+
+def _arrow_table(path, pa):
+    """A save_to_disk .arrow file (Arrow stream format; the file format too), memory-mapped."""
+    source = pa.memory_map(path)
+    try:
+        return pa.ipc.open_stream(source).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _text_column(path, schema, text_field, pa):
+    if text_field not in schema.names:
+        raise CorpusError(f"{path} has no column {text_field!r} (it has: {', '.join(schema.names)}); "
+                          "name the text with --text-field")
+    kind = schema.field(text_field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise CorpusError(f"{path}: column {text_field!r} is {kind}, not text; name the text with --text-field")
+
+
+def _index_table(path, fmt, text_field, max_doc_bytes):
+    """parquet: (row group, row) per record; arrow: (0, row). The text column is read once here for
+    the lengths (byte balance of the shards) and the empty records."""
+    pa = _pyarrow(path)
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    try:
+        if fmt == "parquet":
+            pf = pq.ParquetFile(path)
+            _text_column(path, pf.schema_arrow, text_field, pa)
+            columns = [(g, pf.read_row_group(g, columns=[text_field]).column(0)) for g in range(pf.num_row_groups)]
+        else:
+            table = _arrow_table(path, pa)
+            _text_column(path, table.schema, text_field, pa)
+            columns = [(0, table.column(text_field))]
+    except (OSError, pa.ArrowException) as e:
+        raise CorpusError(f"corpus file {path} does not read as {fmt} ({str(e).splitlines()[0]})") from None
+    groups, rows, lengths, empty = [], [], [], 0
+    for group, column in columns:
+        length = pc.fill_null(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0).to_numpy()
+        keep = np.flatnonzero(length > 0)
+        empty += len(length) - len(keep)
+        groups.append(np.full(len(keep), group, np.int64)), rows.append(keep)
+        lengths.append(pc.fill_null(pc.utf8_length(column), 0).to_numpy()[keep])
+    record, part, size = _text_parts(np.concatenate(lengths), max_doc_bytes)
+    return {"start": np.concatenate(groups)[record], "end": np.concatenate(rows).astype(np.int64)[record],
+            "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
+
+
+def _index_file(path, fmt, text_field, max_doc_bytes):
+    """One file's index, cached on disk by (path, size, mtime, settings): a restart reads no text.
+    The first process of a machine builds it; the others wait for it and load it."""
+    st = os.stat(path)
+    key = hashlib.sha1(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, fmt, text_field,
+                                   max_doc_bytes, INDEX_VERSION]).encode()).hexdigest()[:20]
+    cached = os.path.join(CACHE_DIR, "index", f"{key}.npz")
+    with _machine_lock(cached + ".lock"):
+        if not os.path.exists(cached):
+            if fmt == "text":
+                index = _index_text(path, max_doc_bytes)
+            elif fmt == "jsonl":
+                index = _index_jsonl(path, text_field, max_doc_bytes)
+            else:
+                index = _index_table(path, fmt, text_field, max_doc_bytes)
+            tmp = f"{cached}.tmp{os.getpid()}.npz"
+            np.savez(tmp, **index)
+            os.replace(tmp, cached)
+        with np.load(cached) as z:
+            return {k: z[k] for k in z.files}
+
+
+def _whitespace_after(text, pos):
+    """The first whitespace at or after pos (a part of a long record starts on a word)."""
+    m = re.compile(r"\s").search(text, pos, pos + 1000)
+    return m.start() if m else pos
+
+
+class Corpus:
+    """Numbered documents, each a list of sentences, read by position from the corpus files.
+
+    `sentences`: records of jsonl/parquet/arrow are split into sentences (for nsp pairs); text
+    files are already one sentence per line. State: the index and this process's open files."""
+
+    def __init__(self, spec="builtin", split="train", text_field="text", max_doc_bytes=MAX_DOC_BYTES,
+                 sentences=True, language="en"):
+        if max_doc_bytes < 1024:
+            raise CorpusError(f"--max-doc-bytes must be at least 1024, not {max_doc_bytes}")
+        self.spec, self.text_field, self.max_doc_bytes = spec, text_field, max_doc_bytes
+        self.sentences, self.language = sentences, language
+        given = resolve_corpus(spec, split)
+        self.formats = [file_format(p) for p in given]
+        # gzip has no random access: a .gz is decompressed once into the cache
+        self.files = [_plain_copy(p) if p.endswith(".gz") else p for p in given]
+        parts = [_index_file(p, f, text_field, max_doc_bytes) for p, f in zip(self.files, self.formats, strict=True)]
+        bad, empty = sum(int(x["bad"]) for x in parts), sum(int(x["empty"]) for x in parts)
+        if bad:
+            warnings.warn(f"corpus: {bad} line(s) hold bytes that are not UTF-8; they were replaced", stacklevel=2)
+        if empty:
+            warnings.warn(f"corpus: {empty} record(s) with empty or missing {text_field!r} were skipped",
+                          stacklevel=2)
+        self.index = {k: np.concatenate([x[k] for x in parts]) for k in ("start", "end", "part", "bytes")}
+        self.index["file"] = np.concatenate([np.full(len(x["start"]), i, np.int32) for i, x in enumerate(parts)])
+        if self.num_docs == 0:
+            raise CorpusError(f"corpus {', '.join(given)} holds no text")
+        if sentences and any(f != "text" for f in self.formats):
+            self._segmenter()  # fail now, not in a DataLoader worker
+        self._pid, self._open = None, {}
+
+    @property
+    def num_docs(self):
+        return len(self.index["start"])
+
+    def doc_bytes(self):
+        return self.index["bytes"]
+
+    def fingerprint(self):
+        """What must be equal on every rank and across a resume: documents, bytes, the offset index."""
+        digest = hashlib.sha256()
+        for key in ("file", "start", "end", "part", "bytes"):
+            digest.update(np.ascontiguousarray(self.index[key]).tobytes())
+        return {"documents": self.num_docs, "bytes": int(self.doc_bytes().sum()), "index": digest.hexdigest()[:16]}
+
+    def identity(self):
+        """This machine's files and reading settings: what a cache of their tokens is keyed by."""
+        files = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in self.files]
+        return [files, self.text_field, self.max_doc_bytes, self.sentences, self.language, self.fingerprint()]
+
+    def _segmenter(self):
+        try:
+            import sentencex
+        except ImportError:
+            raise CorpusError("--objective nsp on jsonl/parquet/arrow records splits them into sentences: "
+                              "pip install sentencex (or use --objective mlm)") from None
+        return sentencex.segment
+
+    def _handle(self, file_id):
+        """Open files are per process: a forked DataLoader worker must not share a file offset."""
+        if self._pid != os.getpid():
+            self._pid, self._open = os.getpid(), {}
+        if file_id not in self._open:
+            path, fmt = self.files[file_id], self.formats[file_id]
+            if fmt in ("text", "jsonl"):
+                self._open[file_id] = open(path, "rb")
+            elif fmt == "parquet":
+                import pyarrow.parquet as pq
+                self._open[file_id] = [pq.ParquetFile(path), None, None]  # file, cached row group, its texts
+            else:
+                self._open[file_id] = _arrow_table(path, _pyarrow(path)).column(self.text_field)
+        return self._open[file_id]
+
+    def _record_text(self, doc_id):
+        file_id, start, end = int(self.index["file"][doc_id]), int(self.index["start"][doc_id]), \
+            int(self.index["end"][doc_id])
+        fmt, handle = self.formats[file_id], self._handle(file_id)
+        if fmt == "jsonl":
+            handle.seek(start)
+            return _json_text(handle.read(end - start), self.files[file_id], "?", self.text_field)
+        if fmt == "parquet":
+            if handle[1] != start:  # one row group decoded at a time; cold reads only (see the cache)
+                handle[1:] = [start, handle[0].read_row_group(start, columns=[self.text_field]).column(0)]
+            return handle[2][end].as_py()
+        return handle[end].as_py()
+
+    def read(self, doc_id):
+        """A document's non-blank sentences (text: its lines), long lines cut into pieces."""
+        file_id = int(self.index["file"][doc_id])
+        if self.formats[file_id] == "text":
+            f = self._handle(file_id)
+            f.seek(int(self.index["start"][doc_id]))
+            raw = f.read(int(self.index["end"][doc_id] - self.index["start"][doc_id]))
+            return _cut_lines(raw.decode("utf-8", errors="replace").split("\n"))
+        text, part = self._record_text(doc_id), int(self.index["part"][doc_id])
+        if len(text) > self.max_doc_bytes:
+            m = self.max_doc_bytes
+            lo = _whitespace_after(text, part * m) if part else 0
+            hi = _whitespace_after(text, (part + 1) * m) if (part + 1) * m < len(text) else len(text)
+            text = text[lo:hi]
+        if not self.sentences:
+            return _cut_lines(text.split("\n"))
+        segment = self._segmenter()
+        # a blank line is a paragraph break: no sentence spans it
+        return _cut_lines([s for para in re.split(r"\n\s*\n", text) if para.strip()
+                           for s in segment(self.language, para.replace("\n", " "))])
+
+
+def _cut_lines(lines):
+    out = []
+    for line in lines:
         line = line.strip()
         while len(line) > MAX_LINE_BYTES:
-            lines.append(line[:MAX_LINE_BYTES])
+            out.append(line[:MAX_LINE_BYTES])
             line = line[MAX_LINE_BYTES:].lstrip()
         if line:
-            lines.append(line)
-    return lines
+            out.append(line)
+    return out
 
 
-# ----------------------------------------------------------------------------- tokenizer
+def open_corpus(spec, split="train", objective="nsp", text_field="text", max_doc_bytes=MAX_DOC_BYTES, language="en"):
+    """A Corpus read as `objective` needs it: sentences for nsp pairs, lines for packed mlm."""
+    return spec if isinstance(spec, Corpus) else Corpus(spec, split, text_field, max_doc_bytes,
+                                                        objective == "nsp", language)
 
-def train_tokenizer(files, vocab_size, out_dir):
-    """Train a lower-cased BERT WordPiece tokenizer, streaming the corpus line by line."""
+
+# ============================================================================= 2. tokenizer
+
+def tokenizer_sample(corpus, sample_bytes, seed=0):
+    """Documents to train the tokenizer on: all, or a seeded random set spread over the whole
+    corpus (every file) with about sample_bytes of text, in corpus order (files read forward)."""
+    sizes = corpus.doc_bytes()
+    if sizes.sum() <= sample_bytes:
+        return np.arange(len(sizes))
+    order = np.random.default_rng([seed, 11]).permutation(len(sizes))
+    take = int(np.searchsorted(np.cumsum(sizes[order]), sample_bytes)) + 1
+    return np.sort(order[:take])
+
+
+def train_tokenizer(corpus, doc_ids, vocab_size, out_dir):
+    """Train a lower-cased BERT WordPiece tokenizer on the given documents, on all cores."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    def lines():
-        for path in files:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if line.strip():
-                        yield line[:MAX_LINE_BYTES]
+    def batches():
+        for k in range(0, len(doc_ids), 256):
+            yield [s for d in doc_ids[k:k + 256] for s in corpus.read(int(d))]
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(lines(), trainers.WordPieceTrainer(
+    tok.train_from_iterator(batches(), trainers.WordPieceTrainer(
         vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
@@ -244,16 +539,17 @@ def train_tokenizer(files, vocab_size, out_dir):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def get_tokenizer(tokenizer_dir=None, files=None, vocab_size=8192):
-    """Load a local Hugging Face tokenizer folder, or train one on `files` (cached, reused)."""
+def get_tokenizer(tokenizer_dir=None, corpus=None, vocab_size=8192, sample_mb=TOKENIZER_SAMPLE_MB):
+    """Load a local Hugging Face tokenizer folder, or train one on `corpus` (a Corpus, a --corpus
+    spec or a list of files): on at most sample_mb of its text, cached and reused."""
     from transformers import AutoTokenizer
     if tokenizer_dir is None:
-        stats = [(os.path.abspath(p), os.path.getsize(p), os.path.getmtime(p)) for p in files]
-        key = hashlib.sha1(json.dumps([stats, vocab_size]).encode()).hexdigest()[:16]
+        corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus, sentences=False)
+        key = hashlib.sha1(json.dumps([corpus.identity()[:3], vocab_size, sample_mb]).encode()).hexdigest()[:16]
         tokenizer_dir = os.path.join(CACHE_DIR, "tokenizers", f"wordpiece-{vocab_size}-{key}")
         if not os.path.isdir(tokenizer_dir):
             os.makedirs(os.path.dirname(tokenizer_dir), exist_ok=True)
-            train_tokenizer(files, vocab_size, tokenizer_dir)
+            train_tokenizer(corpus, tokenizer_sample(corpus, sample_mb * 1e6), vocab_size, tokenizer_dir)
     elif not os.path.isdir(tokenizer_dir):
         raise CorpusError(f"--tokenizer {tokenizer_dir} is not a folder (give a save_pretrained folder)")
     try:
@@ -267,7 +563,142 @@ def get_tokenizer(tokenizer_dir=None, files=None, vocab_size=8192):
     return tok
 
 
-# ----------------------------------------------------------------------------- samples
+def tokenizer_hash(tokenizer):
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+
+
+def tokenize_lines(tokenizer, lines):
+    """Sentences -> (token ids, sentence bounds): ids of sentence i are ids[bounds[i]:bounds[i+1]].
+    Sentences that tokenize to nothing stay, empty: a random next segment's start counts them."""
+    encoded = tokenizer.backend_tokenizer.encode_batch(lines, add_special_tokens=False)
+    lengths = [len(e.ids) for e in encoded]
+    ids = np.fromiter((t for e in encoded for t in e.ids), np.int32, sum(lengths))
+    return ids, np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+
+
+# ============================================================================= 3. token cache
+
+class TokenCache:
+    """Token ids of documents on disk, shared by every process of a machine, keyed by the corpus
+    and tokenizer. Each process appends the documents it tokenized as its own pieces (written to a
+    temporary name, fsynced, renamed: a crash never leaves a piece that reads as valid); a piece
+    carries a checksum, verified the first time a process reads it. A piece that fails is deleted
+    and its documents are tokenized again. Two processes that tokenize the same document write
+    identical ids, so whichever piece a reader finds is right.
+
+    Piece layout: a JSON header line, then int64 document ids, int64 sentence-count offsets,
+    int64 token offsets, and the tokens (uint16 when the vocabulary fits, else uint32)."""
+
+    def __init__(self, root, key, vocab_size):
+        self.dir = os.path.join(root, key)
+        self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+        self.where, self.pieces, self.pending, self.pending_tokens = None, [], [], 0
+        self.writable = True
+
+    def refresh(self, num_docs):
+        """Find the pieces written so far (by any process); called at the start of every pass."""
+        self.where, self.pieces = np.full((num_docs, 2), -1, np.int64), []
+        if not os.path.isdir(self.dir):
+            return
+        for name in sorted(os.listdir(self.dir)):
+            if name.endswith(".piece"):
+                self._add_piece(os.path.join(self.dir, name))
+
+    def _add_piece(self, path):
+        try:
+            with open(path, "rb") as f:
+                header = json.loads(f.readline())
+                offset = f.tell()
+            n_docs, n_sents, n_tokens = header["docs"], header["sentences"], header["tokens"]
+            dtype = np.dtype(header["dtype"])
+            if os.path.getsize(path) != offset + 8 * (2 * n_docs + 1 + n_sents + 1) + dtype.itemsize * n_tokens:
+                raise ValueError("truncated")
+            with open(path, "rb") as f:  # plain arrays over the mapping: numpy's memmap slices are slow
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError, KeyError, TypeError):
+            self._drop(path, "unreadable or truncated")
+            return
+        views, pos = {}, offset
+        for name, count, dt in (("docs", n_docs, np.int64), ("doc_sents", n_docs + 1, np.int64),
+                                ("bounds", n_sents + 1, np.int64), ("tokens", n_tokens, dtype)):
+            views[name] = np.frombuffer(mm, dt, count, pos)
+            pos += count * np.dtype(dt).itemsize
+        piece_id = len(self.pieces)
+        self.pieces.append({"path": path, "checksum": header["checksum"], "verified": False, "mm": mm,
+                            "offset": offset, **views})
+        valid = np.flatnonzero((views["docs"] >= 0) & (views["docs"] < len(self.where)))
+        self.where[views["docs"][valid]] = np.stack([np.full(len(valid), piece_id), valid], 1)
+
+    def _drop(self, path, why):
+        warnings.warn(f"token cache: {path} is {why}; its documents will be tokenized again", stacklevel=3)
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+    def get(self, doc_id):
+        """(ids, sentence bounds) of a cached document, or None."""
+        piece_id, k = self.where[doc_id] if self.where is not None else (-1, -1)
+        if piece_id < 0:
+            return None
+        piece = self.pieces[piece_id]
+        if not piece["verified"]:
+            if hashlib.blake2b(memoryview(piece["mm"])[piece["offset"]:], digest_size=16).hexdigest() \
+                    != piece["checksum"]:
+                self._drop(piece["path"], "corrupt (checksum)")
+                self.where[self.where[:, 0] == piece_id] = -1
+                return None
+            piece["verified"] = True
+        s0, s1 = int(piece["doc_sents"][k]), int(piece["doc_sents"][k + 1])
+        bounds = piece["bounds"][s0:s1 + 1]
+        return piece["tokens"][bounds[0]:bounds[-1]], bounds - bounds[0]
+
+    def add(self, doc_id, ids, bounds):
+        if not self.writable:
+            return
+        self.pending.append((doc_id, ids, bounds))
+        self.pending_tokens += len(ids)
+        if self.pending_tokens >= PIECE_TOKENS:
+            self.flush()
+
+    def flush(self):
+        if not self.pending or not self.writable:
+            self.pending, self.pending_tokens = [], 0
+            return
+        docs = np.array([d for d, _, _ in self.pending], np.int64)
+        doc_sents = np.concatenate([[0], np.cumsum([len(b) - 1 for _, _, b in self.pending])]).astype(np.int64)
+        offsets = np.cumsum([0] + [len(i) for _, i, _ in self.pending[:-1]])
+        bounds = np.concatenate([b[:-1] + o for (_, _, b), o in zip(self.pending, offsets, strict=True)]
+                                + [[offsets[-1] + len(self.pending[-1][1])]]).astype(np.int64)
+        tokens = np.concatenate([i for _, i, _ in self.pending]).astype(self.dtype)
+        payload = b"".join(a.tobytes() for a in (docs, doc_sents, bounds, tokens))
+        header = {"docs": len(docs), "sentences": len(bounds) - 1, "tokens": len(tokens),
+                  "dtype": np.dtype(self.dtype).name, "version": CACHE_VERSION,
+                  "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
+        self.pending, self.pending_tokens = [], 0
+        path = os.path.join(self.dir, f"{uuid.uuid4().hex}.piece")
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            with open(path + ".tmp", "wb") as f:
+                f.write(json.dumps(header).encode() + b"\n")
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            self.writable = False
+            warnings.warn(f"token cache: cannot write {self.dir} ({e}); going on without it", stacklevel=2)
+
+
+def token_cache_for(setting, corpus, tokenizer):
+    """--token-cache: 'auto' (under the cache directory), a directory, or 'none' (None)."""
+    if setting in (None, "none"):
+        return None
+    root = os.path.join(CACHE_DIR, "tokens") if setting == "auto" else setting
+    key = hashlib.sha256(json.dumps([corpus.identity(), tokenizer_hash(tokenizer), CACHE_VERSION],
+                                    default=str).encode()).hexdigest()[:24]
+    return TokenCache(root, key, len(tokenizer))
+
+
+# ============================================================================= 4. samples
 
 def doc_rng(seed, epoch, doc_id, *purpose):
     """Independent RNG per (seed, epoch, document, purpose): same samples on any rank/worker."""
@@ -277,27 +708,28 @@ def doc_rng(seed, epoch, doc_id, *purpose):
 def plan_pairs(seg_lens, max_num_tokens, short_seq_prob, doc_id, num_docs, rng):
     """Google's create_instances_from_document, structure only (shared with estimate_steps.py).
 
-    Returns one (a_start, a_end, b_end, random_doc, random_frac) per sample. Segment A is
-    segments a_start:a_end; B is segments a_end:b_end, or (random_doc >= 0) sentences of another
-    document starting at random_frac of its length. The RNG draws here never depend on token
-    contents of other documents, so the count of samples needs only this document's lengths.
+    Returns one (a_start, a_end, b_end, random_doc, random_frac, target_len) per sample. Segment A
+    is segments a_start:a_end; B is segments a_end:b_end, or (random_doc >= 0) sentences of another
+    document from random_frac of its length on, until B holds target_len - len(A) tokens (Google's
+    target_b_length: a document drawn short gets short random pairs too). The RNG draws here never
+    depend on other documents, so the count of samples needs only this document's lengths.
     """
     target_len = max_num_tokens
     if rng.random() < short_seq_prob:
         target_len = int(rng.integers(2, max_num_tokens + 1))
-    plans, chunk_start, chunk_len, i = [], 0, 0, 0
-    while i < len(seg_lens):
+    plans, chunk_start, chunk_len, i, last = [], 0, 0, 0, len(seg_lens) - 1
+    while i <= last:
         chunk_len += seg_lens[i]
-        if i == len(seg_lens) - 1 or chunk_len >= target_len:
+        if i == last or chunk_len >= target_len:
             n = i + 1 - chunk_start
             a_end = chunk_start + (int(rng.integers(1, n)) if n >= 2 else 1)
             if n == 1 or rng.random() < 0.5:
                 random_doc = int(rng.random() * (num_docs - 1)) if num_docs > 1 else doc_id
                 random_doc += num_docs > 1 and random_doc >= doc_id  # any document but this one
-                plans.append((chunk_start, a_end, a_end, random_doc, rng.random()))
+                plans.append((chunk_start, a_end, a_end, random_doc, rng.random(), target_len))
                 i = a_end - 1  # the unused segments go back for the next sample
             else:
-                plans.append((chunk_start, a_end, i + 1, -1, 0.0))
+                plans.append((chunk_start, a_end, i + 1, -1, 0.0, target_len))
             chunk_start, chunk_len = i + 1, 0
         i += 1
     return plans
@@ -318,18 +750,38 @@ def truncate_pair(a, b, max_num_tokens, rng):
     return a[front_a:front_a + la], b[front_b:front_b + lb]
 
 
-def mask_tokens(ids, special_ids, mask_id, random_ids, mask_prob, rng):
-    """BERT dynamic masking on one sample: mask_prob of non-special tokens, 80% [MASK],
-    10% a random token from random_ids (the vocabulary less its special tokens), 10% kept."""
-    ids = np.array(ids, dtype=np.int64)
-    chosen = (rng.random(len(ids)) < mask_prob) & ~np.isin(ids, special_ids)
-    labels = np.where(chosen, ids, -100)
-    action = rng.random(len(ids))
-    ids[chosen & (action < 0.8)] = mask_id
-    random_pos = chosen & (action >= 0.8) & (action < 0.9)
-    ids[random_pos] = random_ids[rng.integers(0, len(random_ids), int(random_pos.sum()))]
-    return ids, labels
+def random_segment(ids, bounds, frac, target_len):
+    """Google's random next segment: whole sentences from frac of the document on (at least one),
+    until target_len tokens are reached."""
+    n = len(bounds) - 1
+    start = min(int(frac * n), n - 1)
+    end = int(np.searchsorted(bounds, bounds[start] + max(target_len, 1), side="left"))
+    return ids[bounds[start]:bounds[min(max(end, start + 1), n)]]
 
+
+def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_ids, mask_prob,
+               whole_word):
+    """BERT dynamic masking of a padded batch in place; returns the labels (-100: not predicted).
+
+    draws[0] chooses (mask_prob of the non-special tokens; with whole_word, a word's first piece
+    decides for every piece of it), draws[1] picks 80% [MASK] / 10% random token / 10% kept,
+    draws[2] picks the random token from random_ids (the vocabulary less its special tokens)."""
+    special = special_table[ids]
+    choose = draws[0]
+    if whole_word:
+        starts = ~continuation_table[ids] | special
+        starts[:, 1:] |= special[:, :-1]
+        first = np.maximum.accumulate(np.where(starts, np.arange(ids.shape[1]), 0), axis=1)
+        choose = np.take_along_axis(choose, first, axis=1)
+    chosen = (choose < mask_prob) & ~special
+    labels = np.where(chosen, ids, -100)
+    ids[chosen & (draws[1] < 0.8)] = mask_id
+    replace = chosen & (draws[1] >= 0.8) & (draws[1] < 0.9)
+    ids[replace] = random_ids[(draws[2][replace] * len(random_ids)).astype(np.int64)]
+    return labels
+
+
+# ============================================================================= 5. order and shards
 
 def shard_documents(doc_bytes, seed, epoch, num_shards, shuffle=True, exclude=None):
     """The epoch's document order, cut into num_shards contiguous byte-balanced shards.
@@ -349,7 +801,13 @@ def batches_per_rank(samples_per_worker, batch_size):
     return sum(-(-n // batch_size) for n in samples_per_worker)
 
 
-# ----------------------------------------------------------------------------- the stream
+def fresh_position(num_open, shard_size):
+    """A shard's cursor before its first sample: the first num_open documents open, none read."""
+    k = min(num_open, shard_size)
+    return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k, "carry": None}
+
+
+# ============================================================================= the stream
 
 class BertPretrainStream(IterableDataset):
     """Batches (dicts of tensors) of BERT pretraining samples, one shard per (rank, worker).
@@ -361,18 +819,24 @@ class BertPretrainStream(IterableDataset):
 
     def __init__(self, corpus="builtin", tokenizer=None, split="train", objective="nsp",
                  max_seq_len=128, batch_size=32, mask_prob=0.15, short_seq_prob=0.1, seed=0,
-                 rank=None, world_size=None, shuffle=True, vocab_size=8192):
+                 rank=None, world_size=None, shuffle=True, vocab_size=8192, text_field="text",
+                 max_doc_bytes=MAX_DOC_BYTES, shuffle_docs=SHUFFLE_DOCS, whole_word_mask=False,
+                 token_cache="auto", language="en"):
         if objective not in ("nsp", "mlm"):
             raise CorpusError(f"--objective must be nsp or mlm, not {objective!r}")
         if max_seq_len < (5 if objective == "nsp" else 3):
             raise CorpusError(f"--max-seq-len {max_seq_len} is too small for a {objective} sample")
         if batch_size < 1:
             raise CorpusError(f"--batch-size must be at least 1, not {batch_size}")
-        self.files = resolve_corpus(corpus, split)
-        self.index = index_documents(self.files)
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, resolve_corpus(corpus), vocab_size)
+        if shuffle_docs < 1:
+            raise CorpusError(f"--shuffle-docs must be at least 1, not {shuffle_docs}")
+        self.corpus = open_corpus(corpus, split, objective, text_field, max_doc_bytes, language)
+        self.files, self.index = self.corpus.files, self.corpus.index
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, vocab_size)
         self.objective, self.max_seq_len, self.batch_size = objective, max_seq_len, batch_size
         self.mask_prob, self.short_seq_prob, self.seed, self.shuffle = mask_prob, short_seq_prob, seed, shuffle
+        self.whole_word_mask = whole_word_mask
+        self.num_open = shuffle_docs if shuffle else 1  # an unshuffled stream reads documents in order
         if rank is None:
             dist = torch.distributed
             rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -380,47 +844,50 @@ class BertPretrainStream(IterableDataset):
         tok = self.tokenizer
         self.cls_id, self.sep_id, self.pad_id = tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
         self.mask_id = tok.mask_token_id
-        self.special_ids = np.array(sorted(set(tok.all_special_ids)), np.int64)
         self.vocab_size = len(tok)
-        self.random_ids = np.setdiff1d(np.arange(self.vocab_size), self.special_ids)
+        special_ids = sorted(set(tok.all_special_ids))
+        self.special_table = np.zeros(self.vocab_size, bool)
+        self.special_table[special_ids] = True
+        self.continuation_table = np.zeros(self.vocab_size, bool)
+        for token, i in tok.get_vocab().items():
+            self.continuation_table[i] = token.startswith("##")
+        self.random_ids = np.flatnonzero(~self.special_table)
+        self.cache = token_cache_for(token_cache, self.corpus, tok)
         self.epoch, self.resume, self._consumed = 0, None, None
-        self._open_files = {}
 
     def __len__(self):  # DataLoader must not guess; the estimator answers this question
         raise TypeError("a stream has no length: use estimate_steps.py")
 
     @property
     def num_docs(self):
-        return len(self.index["start"])
+        return self.corpus.num_docs
 
-    # --- epochs, cursors and the corpus fingerprint (main process)
+    def fingerprint(self):
+        return self.corpus.fingerprint()
+
+    def _doc_bytes(self):
+        return self.corpus.doc_bytes()
+
+    # --- epochs and cursors (main process)
     def set_epoch(self, epoch):
         self.epoch, self.resume, self._consumed = epoch, None, None
 
-    def fingerprint(self):
-        """What must be equal on every rank and across a resume: documents, bytes, the offset index."""
-        digest = hashlib.sha256()
-        for key in ("file", "start", "end"):
-            digest.update(np.ascontiguousarray(self.index[key]).tobytes())
-        return {"documents": self.num_docs, "bytes": int(self._doc_bytes().sum()), "index": digest.hexdigest()[:16]}
-
-    def _doc_bytes(self):
-        return self.index["end"] - self.index["start"]
-
     def consumed(self, cursor):
         """Record that the trainer used the batch with this cursor (call for every batch it trains on)."""
-        shard, chunk, offset, num_shards = cursor
+        shard, position, num_shards = cursor
         if self._consumed is None:
             self._consumed = {"epoch": self.epoch, "num_shards": num_shards, "positions": {}, "last_shard": None,
-                              "exclude": []}
-        self._consumed["positions"][str(shard)] = [chunk, offset]
+                              "exclude": [], "partial": {}}
+        self._consumed["positions"][str(shard)] = position
         self._consumed["last_shard"] = shard
 
     def state_dict(self):
         """Where the consumed part of this epoch ends: JSON-serialisable. `positions` are per shard of
-        a sharding into `num_shards` of the epoch's documents less `exclude` (read before a resize)."""
+        a sharding into `num_shards` of the epoch's documents less `exclude` (read before a resize);
+        `partial`: units of documents read before a resize (they go on from there)."""
         if self._consumed is None:
-            return {"epoch": self.epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": []}
+            return {"epoch": self.epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": [],
+                    "partial": {}}
         return json.loads(json.dumps(self._consumed))
 
     @staticmethod
@@ -431,153 +898,215 @@ class BertPretrainStream(IterableDataset):
 
     def load_state_dict(self, state, num_workers=None):
         """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
-        written with) continues after what `state` says was consumed. Returns how many documents
-        the resume skips: 0 unless the number of shards (ranks x workers) changed, when partly read
-        chunks cannot be continued."""
-        state = {"exclude": [], **json.loads(json.dumps(state))}
-        skipped = 0
+        written with) continues after what `state` says was consumed. Returns how many tokens the
+        resume drops: 0 unless the number of shards (ranks x workers) changed and an mlm window was
+        half filled (its tokens, fewer than a window per old shard, cannot be carried over)."""
+        state = {"exclude": [], "partial": {}, **json.loads(json.dumps(state))}
+        dropped = 0
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
-            # Resharded resume: every document the old sharding started counts as read (a partly
-            # read chunk too: its samples were shuffled together), the rest is cut into new shards.
-            # The exclusions accumulate, so any chain of resizes reads a document at most once.
+            # Resharded resume: documents the old sharding finished are left out, a partly read one
+            # goes on from the unit where it stopped ('partial'), the rest is cut into new shards.
+            # Both accumulate, so a chain of resizes reads every sample of a document once.
             old = shard_documents(self._doc_bytes(), self.seed, state["epoch"], state["num_shards"], self.shuffle,
                                   np.array(state["exclude"], np.int64))
-            exclude = set(state["exclude"])
-            for s, (chunk, offset) in state["positions"].items():
-                exclude.update(old[int(s)][:(chunk + (offset > 0)) * DOCS_PER_CHUNK].tolist())
-                skipped += len(old[int(s)][chunk * DOCS_PER_CHUNK:(chunk + 1) * DOCS_PER_CHUNK]) if offset else 0
+            exclude, partial = set(state["exclude"]), state["partial"]
+            for s, pos in state["positions"].items():
+                shard = old[int(s)]
+                still_open = {p for p in pos["open"] if p >= 0}
+                exclude.update(int(shard[p]) for p in range(pos["next"]) if p not in still_open)
+                partial.update({str(int(shard[p])): t for p, t in zip(pos["open"], pos["taken"], strict=True)
+                                if p >= 0 and t > 0})
+                dropped += pos["carry"][2] - pos["carry"][1] if pos.get("carry") else 0
             state = {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
-                     "exclude": sorted(exclude)}
+                     "exclude": sorted(exclude), "partial": {d: t for d, t in partial.items() if int(d) not in exclude}}
         self.epoch, self.resume = state["epoch"], state
         self._consumed = json.loads(json.dumps(state)) if state["num_shards"] else None
-        return skipped
+        return dropped
 
-    # --- reading and tokenizing (worker process)
-    def _read_lines(self, doc_id):
-        file_id = int(self.index["file"][doc_id])
-        f = self._open_files.get(file_id)
-        if f is None:
-            f = self._open_files[file_id] = open(self.files[file_id], "rb")
-        start = int(self.index["start"][doc_id])
-        f.seek(start)
-        return split_lines(f.read(int(self.index["end"][doc_id]) - start))
+    # --- documents: token ids, from the cache or tokenized now (worker process)
+    def document(self, doc_id, keep=True):
+        """(ids, sentence bounds) of a document; `keep`: store it in the token cache when tokenized."""
+        hit = self.cache.get(doc_id) if self.cache is not None else None
+        if hit is not None:
+            return hit
+        ids, bounds = tokenize_lines(self.tokenizer, self.corpus.read(doc_id))
+        if keep and self.cache is not None:
+            self.cache.add(doc_id, ids, bounds)
+        return ids, bounds
 
-    def _tokenize(self, lines):
-        encoded = self.tokenizer.backend_tokenizer.encode_batch(lines, add_special_tokens=False)
-        return [e.ids for e in encoded if e.ids]
+    def segment_lengths(self, doc_id):
+        """Token counts of a document's sentences, empty ones dropped: what pairs are planned on."""
+        lengths = np.diff(self.document(doc_id)[1])
+        return lengths[lengths > 0]
+
+    def flush_cache(self):
+        if self.cache is not None:
+            self.cache.flush()
+
+    def pair_plans(self, seg_lens, doc_id, epoch, rng=None):
+        """The nsp samples of a document in an epoch (plan_pairs); estimate_steps.py counts these.
+        The document's RNG plans first; the sample maker goes on with it (truncation, masking)."""
+        return plan_pairs(seg_lens.tolist(), self.max_seq_len - 3, self.short_seq_prob, doc_id, self.num_docs,
+                          rng or doc_rng(self.seed, epoch, doc_id, 0))
 
     def _random_b(self, doc_id, frac, target_len):
-        lines = self._read_lines(doc_id)
-        start, tokens = int(frac * len(lines)), []
-        while start < len(lines) and len(tokens) < target_len:
-            for seg in self._tokenize(lines[start:start + 8]):
-                tokens += seg
-                if len(tokens) >= target_len:
-                    break
-            start += 8
-        return tokens or [self.tokenizer.unk_token_id]
+        """B of a random next sentence. A cached document is sliced; otherwise only the sentences
+        needed are tokenized (and not cached: they are part of another worker's document)."""
+        hit = self.cache.get(doc_id) if self.cache is not None else None
+        if hit is not None and len(hit[1]) > 1:
+            b = random_segment(*hit, frac, target_len)
+        else:
+            lines = self.corpus.read(doc_id)
+            start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
+            while 0 <= start < len(lines) and have < max(target_len, 1):
+                i, bd = tokenize_lines(self.tokenizer, lines[start:start + 8])
+                ids.append(i), bounds.append(bd[1:] + have)
+                have, start = have + len(i), start + 8
+            b = random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
+        return b if len(b) else np.array([self.tokenizer.unk_token_id], np.int32)
 
-    def segments(self, doc_id):
-        """A document's sentences as token lists (empty ones dropped): what samples are made of."""
-        return self._tokenize(self._read_lines(doc_id))
-
-    def pair_plans(self, seg_lens, doc_id, epoch):
-        """The nsp samples of a document in an epoch (plan_pairs); estimate_steps.py counts these."""
-        return plan_pairs(seg_lens, self.max_seq_len - 3, self.short_seq_prob, doc_id, self.num_docs,
-                          doc_rng(self.seed, epoch, doc_id, 0))
-
-    def _nsp_samples(self, doc_id):
-        segs = self.segments(doc_id)
+    # --- units: what one draw from an open document takes (nsp: a sample; mlm: a piece of tokens)
+    def _units(self, doc_id):
+        ids, bounds = self.document(doc_id)
+        if self.objective == "mlm":
+            # the document's tokens and a [SEP], in pieces of up to a window; per-token draws for masking
+            ids = np.concatenate([ids, [self.sep_id]]).astype(np.int64)
+            width = self.max_seq_len - 2
+            draws = doc_rng(self.seed, self.epoch, doc_id, 4).random((3, len(ids)), dtype=np.float32)
+            return [(ids[k:k + width], draws[:, k:k + width], doc_id) for k in range(0, len(ids), width)]
+        lengths = np.diff(bounds)
+        starts, lengths = bounds[:-1][lengths > 0], lengths[lengths > 0]
+        ends = starts + lengths
         max_tokens = self.max_seq_len - 3  # room for [CLS] A [SEP] B [SEP]
-        plans = self.pair_plans([len(s) for s in segs], doc_id, self.epoch)
-        trunc_rng, mask_rng = doc_rng(self.seed, self.epoch, doc_id, 1), doc_rng(self.seed, self.epoch, doc_id, 2)
+        rng = doc_rng(self.seed, self.epoch, doc_id, 0)
         samples = []
-        for a_start, a_end, b_end, random_doc, frac in plans:
-            a = [t for s in segs[a_start:a_end] for t in s]
+        for a_start, a_end, b_end, random_doc, frac, target_len in self.pair_plans(lengths, doc_id, self.epoch, rng):
+            a = ids[starts[a_start]:ends[a_end - 1]]
             if random_doc >= 0:
-                b = self._random_b(random_doc, frac, max(1, max_tokens - len(a)))
+                b = self._random_b(random_doc, frac, target_len - len(a))
             else:
-                b = [t for s in segs[a_end:b_end] for t in s]
-            a, b = truncate_pair(a, b, max_tokens, trunc_rng)
-            ids, labels = mask_tokens([self.cls_id, *a, self.sep_id, *b, self.sep_id], self.special_ids,
-                                      self.mask_id, self.random_ids, self.mask_prob, mask_rng)
-            types = np.zeros(len(ids), np.int64)
-            types[len(a) + 2:] = 1
-            samples.append((ids, types, labels, int(random_doc >= 0)))
-        return samples
+                b = ids[starts[a_end]:ends[b_end - 1]]
+            a, b = truncate_pair(a, b, max_tokens, rng)
+            samples.append((np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]]).astype(np.int64),
+                            len(a) + 2, int(random_doc >= 0)))
+        draws = rng.random((3, sum(len(s[0]) for s in samples)), dtype=np.float32)
+        offsets = np.cumsum([0] + [len(s[0]) for s in samples])
+        return [(ids_, draws[:, offsets[k]:offsets[k + 1]], doc_id, type_start, label)
+                for k, (ids_, type_start, label) in enumerate(samples)]
 
-    def _mlm_tokens(self, doc_ids):
-        """The packed token stream of some documents: sentences back to back, [SEP] after each doc."""
-        tokens = []
-        for doc_id in doc_ids:
-            tokens += [t for s in self.segments(doc_id) for t in s] + [self.sep_id]
-        return tokens
+    def _draw_fn(self, shard, num_shards):
+        """Uniform draw number n of a shard (which open document gives the next unit), made in
+        blocks keyed by position: a resume at draw n needs no RNG state."""
+        block = {}
+
+        def draw(n):
+            if n // 4096 not in block:
+                block.clear()
+                block[n // 4096] = np.random.default_rng([self.seed, self.epoch, 6, shard, num_shards,
+                                                          n // 4096]).random(4096)
+            return block[n // 4096][n % 4096]
+        return draw
+
+    def _shard_units(self, shard_docs, position, draw):
+        """Units of one shard, each from a randomly drawn open document. `position` (the cursor) is
+        updated in place: which shard documents are open ('open': places in the shard, -1 once none
+        is left), how many units each has given ('taken'), the next place to open, the draws made.
+        Yields (unit, place of its document, its index in the document)."""
+        opened, taken = position["open"], position["taken"]
+        partial = (self.resume or {}).get("partial", {})
+        live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
+        active = [s for s, p in enumerate(opened) if p >= 0]
+        while active:
+            slot = active[int(draw(position["draw"]) * len(active))]
+            if slot not in live:
+                doc_id = int(shard_docs[opened[slot]])
+                live[slot] = self._units(doc_id)
+                # a document partly read before a resize goes on from where it stopped
+                taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
+            units, place, k = live[slot], opened[slot], taken[slot]
+            if k < len(units):  # else an empty document: replaced, and the same draw used again
+                taken[slot] += 1
+                position["draw"] += 1
+            if k + 1 >= len(units):
+                del live[slot]
+                if position["next"] < len(shard_docs):
+                    opened[slot], taken[slot] = position["next"], 0
+                    position["next"] += 1
+                else:
+                    opened[slot] = -1
+                    active.remove(slot)
+            if k < len(units):
+                yield units[k], place, k
+
+    def _samples(self, shard_docs, position, draw):
+        """(ids, draws, doc ids, type_start, nsp label) of each sample of a shard, from `position` on."""
+        if self.objective == "nsp":
+            for (ids, draws, doc_id, type_start, label), _, _ in self._shard_units(shard_docs, position, draw):
+                yield ids, draws, [doc_id], type_start, label
+            return
+        # mlm: pieces are packed into windows of max_seq_len - 2 tokens. The part of a piece that
+        # does not fit starts the next window; the cursor names it ('carry': the document's place
+        # in the shard and the token range left), so a resume needs nothing else.
+        width, parts, have = self.max_seq_len - 2, [], 0
+        if position["carry"]:
+            place, lo, hi = position["carry"]
+            ids, draws, doc_id = self._units(int(shard_docs[place]))[lo // width]
+            cut = slice(lo % width, lo % width + hi - lo)
+            parts, have = [(ids[cut], draws[:, cut], doc_id, place, lo)], hi - lo
+        for (ids, draws, doc_id), place, k in self._shard_units(shard_docs, position, draw):
+            parts.append((ids, draws, doc_id, place, k * width))
+            have += len(ids)
+            if have < width:
+                continue
+            ids, draws, doc_id, place, lo = parts[-1]
+            keep = len(ids) - (have - width)
+            parts[-1] = (ids[:keep], draws[:, :keep], doc_id, place, lo)
+            rest = (ids[keep:], draws[:, keep:], doc_id, place, lo + keep)
+            position["carry"] = [place, lo + keep, lo + len(ids)] if keep < len(ids) else None
+            yield self._window(parts)
+            parts, have = ([rest], len(rest[0])) if position["carry"] else ([], 0)
+        if parts:
+            position["carry"] = None
+            yield self._window(parts)
+
+    def _window(self, parts):
+        ids = np.concatenate([[self.cls_id], *[p[0] for p in parts], [self.sep_id]]).astype(np.int64)
+        edge = np.ones((3, 1), np.float32)
+        draws = np.concatenate([edge, *[p[1] for p in parts], edge], axis=1)
+        return ids, draws, sorted({p[2] for p in parts}), len(ids), 0
 
     def _collate(self, samples, cursor):
         # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
-        width = min(self.max_seq_len, -(-max(len(s[0]) for s in samples) // 8) * 8)
-        input_ids = torch.full((len(samples), width), self.pad_id, dtype=torch.long)
-        token_type_ids = torch.zeros((len(samples), width), dtype=torch.long)
-        labels = torch.full((len(samples), width), -100, dtype=torch.long)
-        attention_mask = torch.zeros((len(samples), width), dtype=torch.long)
-        for row, (ids, types, lab, _) in enumerate(samples):
-            input_ids[row, :len(ids)] = torch.from_numpy(ids)
-            token_type_ids[row, :len(ids)] = torch.from_numpy(types)
-            labels[row, :len(ids)] = torch.from_numpy(lab)
-            attention_mask[row, :len(ids)] = 1
-        batch = {"input_ids": input_ids, "token_type_ids": token_type_ids,
-                 "attention_mask": attention_mask, "labels": labels, "cursor": cursor}
+        lengths = np.array([len(s[0]) for s in samples])
+        width = min(self.max_seq_len, -(-int(lengths.max()) // 8) * 8)
+        ids = np.full((len(samples), width), self.pad_id, np.int64)
+        draws = np.ones((3, len(samples), width), np.float32)  # 1.0: never chosen
+        types = np.zeros((len(samples), width), np.int64)
+        for row, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
+            ids[row, :lengths[row]] = sample_ids
+            draws[:, row, :lengths[row]] = sample_draws
+            types[row, type_start:lengths[row]] = 1
+        labels = mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id,
+                            self.random_ids, self.mask_prob, self.whole_word_mask)
+        attention = (np.arange(width) < lengths[:, None]).astype(np.int64)
+        batch = {"input_ids": torch.from_numpy(ids), "token_type_ids": torch.from_numpy(types),
+                 "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels), "cursor": cursor}
         if self.objective == "nsp":
-            batch["next_sentence_label"] = torch.tensor([s[3] for s in samples], dtype=torch.long)
+            batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
         return batch
 
-    def _chunk_samples(self, shard_docs, chunk):
-        """nsp: all samples of one chunk of documents, in the chunk's shuffled order."""
-        doc_ids = shard_docs[chunk * DOCS_PER_CHUNK:(chunk + 1) * DOCS_PER_CHUNK]
-        samples = [s for d in doc_ids for s in self._nsp_samples(int(d))]
-        if self.shuffle:
-            order = doc_rng(self.seed, self.epoch, int(doc_ids[0]), 3).permutation(len(samples))
-            samples = [samples[i] for i in order]
-        return samples
-
-    def _samples(self, shard_docs, chunk, offset):
-        """Yield (sample, (chunk, offset) of the next sample) from a position in the shard."""
-        num_chunks = -(-len(shard_docs) // DOCS_PER_CHUNK)
-        if self.objective == "nsp":
-            for c in range(chunk, num_chunks):
-                samples = self._chunk_samples(shard_docs, c)
-                for k in range(offset if c == chunk else 0, len(samples)):
-                    yield samples[k], (c, k + 1) if k + 1 < len(samples) else (c + 1, 0)
-            return
-        # mlm: windows of max_seq_len - 2 tokens over the shard's token stream. A window may span
-        # chunks; a position is the (chunk, token offset) where the next window starts.
-        width, buf, buf_pos = self.max_seq_len - 2, [], (chunk, offset)
-        for c in range(chunk, num_chunks):
-            tokens = self._mlm_tokens(shard_docs[c * DOCS_PER_CHUNK:(c + 1) * DOCS_PER_CHUNK])
-            k = offset if c == chunk else 0
-            while k < len(tokens):
-                take = tokens[k:k + width - len(buf)]
-                buf, k = buf + take, k + len(take)
-                if len(buf) == width:
-                    next_pos = (c, k) if k < len(tokens) else (c + 1, 0)
-                    yield self._mlm_sample(buf, shard_docs, buf_pos), next_pos
-                    buf, buf_pos = [], next_pos
-        if buf:
-            yield self._mlm_sample(buf, shard_docs, buf_pos), (num_chunks, 0)
-
-    def _mlm_sample(self, tokens, shard_docs, pos):
-        first_doc = int(shard_docs[pos[0] * DOCS_PER_CHUNK])
-        rng = doc_rng(self.seed, self.epoch, first_doc, 4, pos[1])
-        ids, labels = mask_tokens([self.cls_id, *tokens, self.sep_id], self.special_ids, self.mask_id,
-                                  self.random_ids, self.mask_prob, rng)
-        return ids, np.zeros(len(ids), np.int64), labels, 0
-
     def __iter__(self):
+        for batch, _ in self.batches():
+            yield batch
+
+    def batches(self):
+        """(batch, the documents each of its samples came from): what __iter__ yields, plus the
+        documents, for measuring how well batches mix (--bench)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info else (1, 0)
         num_shards = self.world_size * num_workers
-        resume = self.resume or {"num_shards": None, "positions": {}, "last_shard": None, "exclude": []}
+        resume = self.resume or {"num_shards": None, "positions": {}, "last_shard": None, "exclude": [], "partial": {}}
         if resume["num_shards"] not in (None, num_shards):
             raise RuntimeError(f"the stream was resumed for {resume['num_shards']} shards but is read as "
                                f"{num_shards}: pass the DataLoader's num_workers to load_state_dict")
@@ -589,88 +1118,162 @@ class BertPretrainStream(IterableDataset):
         exclude = np.array(resume["exclude"], np.int64) if resume["exclude"] else None
         shard = self.rank * num_workers + (worker_id + rotate) % num_workers
         shard_docs = shard_documents(self._doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle, exclude)[shard]
-        chunk, offset = positions.get(str(shard), (0, 0))
-        batch, pos = [], (chunk, offset)
-        for sample, pos in self._samples(shard_docs, chunk, offset):
-            batch.append(sample)
-            if len(batch) == self.batch_size:
-                yield self._collate(batch, (shard, *pos, num_shards))
-                batch = []
-        if batch:
-            yield self._collate(batch, (shard, *pos, num_shards))
+        position = json.loads(json.dumps(positions.get(str(shard)) or fresh_position(self.num_open, len(shard_docs))))
+        if self.cache is not None:
+            self.cache.refresh(self.num_docs)
+        batch = []
+        try:
+            for sample in self._samples(shard_docs, position, self._draw_fn(shard, num_shards)):
+                batch.append(sample)
+                if len(batch) == self.batch_size:
+                    yield self._cursor_batch(batch, shard, position, num_shards)
+                    batch = []
+            if batch:
+                yield self._cursor_batch(batch, shard, position, num_shards)
+        finally:
+            self.flush_cache()
+
+    def _cursor_batch(self, samples, shard, position, num_shards):
+        cursor = (shard, {**position, "open": list(position["open"]), "taken": list(position["taken"])}, num_shards)
+        return self._collate(samples, cursor), [s[2] for s in samples]
 
 
-# ----------------------------------------------------------------------------- CLI
+# ============================================================================= CLI
 
 def add_data_args(parser):
     """The corpus/tokenizer/sample flags, shared by every script of the project."""
     parser.add_argument("--corpus", default="builtin",
-                        help="'builtin' (prose shipped with Python), a .txt/.txt.gz file, a directory, a glob, "
-                             "or a comma-separated list; one sentence per line, blank line between documents")
+                        help="'builtin' (prose shipped with Python), a file, a directory, a glob, or a comma list. "
+                             "Text (.txt, .txt.gz): one sentence per line, a blank line between documents; "
+                             ".jsonl(.gz), .parquet, or a datasets save_to_disk folder: one record per document")
+    parser.add_argument("--text-field", default="text", help="the field/column that holds a record's text")
     parser.add_argument("--tokenizer", default=None,
                         help="a local Hugging Face tokenizer folder; default: train a WordPiece on the corpus "
                              f"(cached under {CACHE_DIR})")
     parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of a trained tokenizer")
+    parser.add_argument("--tokenizer-sample-mb", type=float, default=TOKENIZER_SAMPLE_MB,
+                        help="a trained tokenizer sees at most this much text, spread evenly over the corpus")
     parser.add_argument("--objective", default="nsp", choices=["nsp", "mlm"],
                         help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style")
     parser.add_argument("--max-seq-len", type=int, default=128, help="tokens per sample, [CLS]/[SEP] included")
     parser.add_argument("--short-seq-prob", type=float, default=0.1,
                         help="probability that a document's samples aim at a shorter random length (BERT: 0.1)")
     parser.add_argument("--mask-prob", type=float, default=0.15, help="fraction of tokens masked for MLM")
+    parser.add_argument("--whole-word-mask", action="store_true",
+                        help="mask all WordPiece pieces of a chosen word together (BERT's whole-word masking)")
+    parser.add_argument("--shuffle-docs", type=int, default=SHUFFLE_DOCS,
+                        help="documents each DataLoader worker keeps open and draws samples from (the shuffle); "
+                             "worker memory is about this x --max-doc-bytes x 4")
+    parser.add_argument("--max-doc-bytes", type=int, default=MAX_DOC_BYTES,
+                        help="longer documents (books) are read as parts of this size, each its own document")
+    parser.add_argument("--token-cache", default="auto",
+                        help=f"where token ids are cached after the first read: 'auto' ({CACHE_DIR}/tokens), "
+                             "a directory, or 'none'")
+    parser.add_argument("--language", default="en",
+                        help="language of the sentence splitter (nsp on jsonl/parquet/arrow records)")
     parser.add_argument("--seed", type=int, default=0, help="seeds document order, pairs and masking")
 
 
+def stream_from_args(args, corpus=None, split="train", tokenizer=None, seed=None, shuffle=True, rank=None,
+                     world_size=None):
+    """The stream that the data flags describe (every script builds it the same way)."""
+    if tokenizer is None and args.tokenizer:  # a wrong folder fails before any corpus work
+        tokenizer = get_tokenizer(args.tokenizer)
+    corpus = open_corpus(corpus or args.corpus, split, args.objective, args.text_field, args.max_doc_bytes,
+                         args.language)
+    if tokenizer is None:
+        tokenizer = get_tokenizer(args.tokenizer, corpus, args.vocab_size, args.tokenizer_sample_mb)
+    return BertPretrainStream(corpus, tokenizer, split=split, objective=args.objective,
+                              max_seq_len=args.max_seq_len, batch_size=args.batch_size, mask_prob=args.mask_prob,
+                              short_seq_prob=args.short_seq_prob, seed=args.seed if seed is None else seed,
+                              rank=rank, world_size=world_size, shuffle=shuffle,
+                              shuffle_docs=args.shuffle_docs, whole_word_mask=args.whole_word_mask,
+                              token_cache=args.token_cache)
+
+
+def build_cache(stream):
+    """Tokenize every document not yet cached, in batches on all cores (the parent never forks)."""
+    if stream.cache is None:
+        raise CorpusError("--build-cache needs a token cache: drop --token-cache none")
+    stream.cache.refresh(stream.num_docs)
+    todo = np.flatnonzero(stream.cache.where[:, 0] < 0)
+    t0, tokens, batch_docs = time.perf_counter(), 0, 512
+    for k in range(0, len(todo), batch_docs):
+        docs = todo[k:k + batch_docs]
+        lines = [stream.corpus.read(int(d)) for d in docs]
+        ids, bounds = tokenize_lines(stream.tokenizer, [s for doc in lines for s in doc])
+        first = 0
+        for d, doc in zip(docs, lines, strict=True):
+            b = bounds[first:first + len(doc) + 1]
+            stream.cache.add(int(d), ids[b[0]:b[-1]], b - b[0])
+            first += len(doc)
+        tokens += len(ids)
+    stream.flush_cache()
+    seconds = time.perf_counter() - t0
+    print(f"token cache: {len(todo):,} documents tokenized ({stream.num_docs - len(todo):,} were cached), "
+          f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {stream.cache.dir}")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Stream BERT pretraining samples: show some, or time one worker.")
+    parser = argparse.ArgumentParser(description="Stream BERT pretraining samples: show some, time one worker, "
+                                                 "or fill the token cache ahead of training.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_data_args(parser)
     parser.add_argument("--batch-size", type=int, default=32, help="samples per batch")
     parser.add_argument("--show", type=int, default=0, metavar="N", help="print N decoded samples ([MASK] visible)")
     parser.add_argument("--bench", action="store_true",
                         help="time one worker over the corpus (up to --bench-seconds) next to the bare tokenizer")
     parser.add_argument("--bench-seconds", type=float, default=20.0, help="time budget of --bench")
+    parser.add_argument("--build-cache", action="store_true", help="tokenize the whole corpus into the token cache now")
     args = parser.parse_args(argv)
     try:
-        tokenizer = get_tokenizer(args.tokenizer, resolve_corpus(args.corpus), args.vocab_size)
-        stream = BertPretrainStream(args.corpus, tokenizer, objective=args.objective, max_seq_len=args.max_seq_len,
-                                    batch_size=args.batch_size, mask_prob=args.mask_prob,
-                                    short_seq_prob=args.short_seq_prob, seed=args.seed, rank=0, world_size=1)
+        stream = stream_from_args(args, rank=0, world_size=1)
+        print(f"corpus: {len(stream.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
+        if args.build_cache:
+            build_cache(stream)
+        if args.show:
+            show(stream, args.show)
+        if args.bench:
+            bench(stream, args.bench_seconds)
     except CorpusError as e:
         sys.exit(f"data_stream.py: error: {e}")
-    print(f"corpus: {len(stream.files)} file(s), {stream.num_docs} documents; vocab {stream.vocab_size}")
+
+
+def show(stream, count):
     shown = 0
-    for batch in stream if args.show else ():
+    for batch in stream:
         for row in range(len(batch["input_ids"])):
-            if shown == args.show:
-                break
+            if shown == count:
+                return
             ids = batch["input_ids"][row][batch["attention_mask"][row].bool()]
             masked = batch["labels"][row][batch["labels"][row] != -100]
             nsp = batch.get("next_sentence_label")
             print(f"--- sample {shown}: {len(ids)} tokens, {len(masked)} masked"
                   + (f", B is {'random' if nsp[row] else 'the continuation'}" if nsp is not None else ""))
-            print(tokenizer.decode(ids.tolist()))
-            print("  targets:", tokenizer.decode(masked.tolist()))
+            print(stream.tokenizer.decode(ids.tolist()))
+            print("  targets:", stream.tokenizer.decode(masked.tolist()))
             shown += 1
-        if shown == args.show:
-            break
-    if args.bench:
-        bench(stream, args.bench_seconds)
 
 
 def bench(stream, seconds):
-    """Samples/s and tokens/s of one worker, next to the bare tokenizer on the same documents."""
-    t0, samples, tokens, epoch = time.perf_counter(), 0, 0, 0
+    """One worker: time to the first batch, samples/s and tokens/s, distinct documents per batch,
+    next to the bare tokenizer on about the same amount of text."""
+    t0, samples, tokens, epoch, first, distinct, full = time.perf_counter(), 0, 0, 0, None, 0, 0
     while time.perf_counter() - t0 < seconds:  # whole epochs until the time budget is spent
         stream.set_epoch(epoch)
-        for batch in stream:
+        for batch, docs in stream.batches():
+            first = first or time.perf_counter() - t0
             samples += len(batch["input_ids"])
             tokens += int(batch["attention_mask"].sum())
+            if len(batch["input_ids"]) == stream.batch_size:
+                distinct, full = distinct + len({d for ds in docs for d in ds}), full + 1
             if time.perf_counter() - t0 > seconds:
                 break
         epoch += 1
     stream_s = time.perf_counter() - t0
     lines, chars, docs, t0 = [], 0, 0, time.perf_counter()
     for doc_id in range(stream.num_docs):
-        doc_lines = stream._read_lines(doc_id)
+        doc_lines = stream.corpus.read(doc_id)
         lines, chars, docs = lines + doc_lines, chars + sum(map(len, doc_lines)), docs + 1
         if chars > 4 * tokens:  # ~4 characters per token: about the same amount of text
             break
@@ -678,7 +1281,8 @@ def bench(stream, seconds):
     bare_tokens = sum(len(e.ids) for e in stream.tokenizer.backend_tokenizer.encode_batch(lines))
     tok_s = time.perf_counter() - t1
     print(f"stream: {samples / stream_s:,.0f} samples/s, {tokens / stream_s:,.0f} tokens/s (one worker, "
-          f"{stream_s:.1f} s)")
+          f"{stream_s:.1f} s, {epoch} epoch(s)); first batch after {first or 0:.2f} s; "
+          f"{distinct / max(full, 1):.1f} distinct documents per batch of {stream.batch_size}")
     print(f"bare tokenizer encode_batch: {bare_tokens / tok_s:,.0f} tokens/s on {docs} documents "
           f"(read {t1 - t0:.2f} s)")
 

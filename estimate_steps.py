@@ -19,13 +19,13 @@ Two ways to count:
   pairing RNG is keyed by (seed, epoch, document). Memory: a few numbers per document (x epochs).
 - sample: tokenize --sample-docs random documents, scale up by bytes (ratio estimator, 95% interval)
   and simulate byte-balanced shards around the estimate (steps with a 95% interval).
-- auto (default): exact under 50 MB of text, else sample; the output says which one ran.
+- auto (default): exact under 50 MB of text and --sample-docs documents, else sample; the output says
+  which one ran. Exact mode reads token ids from the token cache when they are there (seconds).
 
 The trainer calls `estimate(stream, ...)` on rank 0 with its own BertPretrainStream.
 """
 
 import argparse
-import copy
 import json
 import math
 import sys
@@ -33,15 +33,7 @@ import time
 
 import numpy as np
 
-from data_stream import (
-    BertPretrainStream,
-    CorpusError,
-    add_data_args,
-    batches_per_rank,
-    get_tokenizer,
-    resolve_corpus,
-    shard_documents,
-)
+from data_stream import CorpusError, add_data_args, batches_per_rank, shard_documents, stream_from_args
 
 AUTO_EXACT_BYTES = 50_000_000  # auto mode counts exactly below this much text (~1 min of tokenizing)
 SIMULATION_DRAWS = 1000      # sample mode: simulated epochs per estimate (percentiles need ~1000)
@@ -90,8 +82,8 @@ def count_documents(stream, doc_ids, epochs, progress):
     sentences, tokens = np.zeros(len(doc_ids), np.int32), np.zeros(len(doc_ids), np.int32)
     tick = progress_printer(progress, len(doc_ids), "documents tokenized")
     for i, doc_id in enumerate(doc_ids.tolist()):
-        seg_lens = [len(s) for s in stream.segments(doc_id)]
-        sentences[i], tokens[i] = len(seg_lens), sum(seg_lens)
+        seg_lens = stream.segment_lengths(doc_id)
+        sentences[i], tokens[i] = len(seg_lens), int(seg_lens.sum())
         if nsp:
             for epoch in range(epochs):
                 units[epoch, i] = len(stream.pair_plans(seg_lens, doc_id, epoch))
@@ -186,7 +178,7 @@ def simulate_epochs(units_total, units_se, epoch_sd, shard_sd, shard_bytes, obje
 
 def exact_counts(stream, world_size, num_workers, batch_size, accum_steps, epochs, progress):
     """Every document tokenized once; every epoch's shards summed exactly."""
-    doc_bytes = stream.index["end"] - stream.index["start"]
+    doc_bytes = stream.corpus.doc_bytes()
     num_shards = world_size * max(num_workers, 1)
     units, sentences, tokens = count_documents(stream, np.arange(stream.num_docs), epochs, progress)
     per_epoch = []
@@ -212,7 +204,7 @@ def sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epoc
     among articles) would otherwise dominate the error, and its estimate, whenever they are missed or
     hit. The rest of the budget is a seeded uniform sample of the other documents, from every file.
     """
-    doc_bytes = stream.index["end"] - stream.index["start"]
+    doc_bytes = stream.corpus.doc_bytes()
     num_docs, num_shards = len(doc_bytes), world_size * max(num_workers, 1)
     by_size = np.argsort(doc_bytes, kind="stable")
     cut = num_docs - min(sample_docs // 10, num_docs)
@@ -272,27 +264,24 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
     """
     check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs)
     t0 = time.perf_counter()
-    num_docs, total_bytes = stream.num_docs, int((stream.index["end"] - stream.index["start"]).sum())
+    num_docs, total_bytes = stream.num_docs, int(stream.corpus.doc_bytes().sum())
     num_shards = world_size * max(num_workers, 1)
     if mode == "auto":
-        mode = "exact" if total_bytes < AUTO_EXACT_BYTES or num_docs <= sample_docs else "sample"
+        mode = "exact" if total_bytes < AUTO_EXACT_BYTES and num_docs <= sample_docs else "sample"
         reason = (f"auto: {total_bytes / 1e6:.1f} MB of text, {num_docs:,} documents; "
-                  f"exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB or {sample_docs:,} documents")
+                  f"exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB and {sample_docs:,} documents")
     else:
         reason = f"--mode {mode}"
-    # A copy with its own file handles: the trainer's stream must not fork DataLoader workers
-    # holding files opened here (forked handles share one file offset, so their reads would race).
-    view = copy.copy(stream)
-    view._open_files = {}
+    if stream.cache is not None:  # counting from cached ids takes seconds; what it tokenizes is cached
+        stream.cache.refresh(stream.num_docs)
     try:
         if mode == "exact":
-            result = exact_counts(view, world_size, num_workers, batch_size, accum_steps, epochs, progress)
+            result = exact_counts(stream, world_size, num_workers, batch_size, accum_steps, epochs, progress)
         else:
-            result = sample_counts(view, world_size, num_workers, batch_size, accum_steps, epochs, sample_docs,
+            result = sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epochs, sample_docs,
                                    progress)
     finally:
-        for f in view._open_files.values():
-            f.close()
+        stream.flush_cache()
     note = None
     epoch_steps = [e["steps"] for e in result["per_epoch"]] if result["per_epoch"] else [result["steps_per_epoch"]]
     if min(epoch_steps) == 0:
@@ -356,7 +345,8 @@ def format_report(r):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Predict the samples and optimizer steps of a pretraining run.")
+    parser = argparse.ArgumentParser(description="Predict the samples and optimizer steps of a pretraining run.",
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_data_args(parser)
     parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-batch, per rank")
     parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
@@ -366,7 +356,7 @@ def main(argv=None):
     parser.add_argument("--warmup", type=float, default=0.01, help="warmup as a fraction of the total steps")
     parser.add_argument("--mode", default="auto", choices=["auto", "exact", "sample"],
                         help=f"exact: tokenize everything; sample: scale up --sample-docs documents; "
-                             f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text")
+                             f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text and --sample-docs documents")
     parser.add_argument("--sample-docs", type=int, default=10000, help="documents that sample mode reads")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
@@ -376,11 +366,7 @@ def main(argv=None):
     except ValueError as e:
         sys.exit(f"estimate_steps.py: error: {e}")
     try:
-        tokenizer = get_tokenizer(args.tokenizer, resolve_corpus(args.corpus), args.vocab_size)
-        stream = BertPretrainStream(args.corpus, tokenizer, objective=args.objective, max_seq_len=args.max_seq_len,
-                                    batch_size=args.batch_size, mask_prob=args.mask_prob,
-                                    short_seq_prob=args.short_seq_prob, seed=args.seed, rank=0,
-                                    world_size=args.world_size)
+        stream = stream_from_args(args, rank=0, world_size=args.world_size)
         result = estimate(stream, args.world_size, args.num_workers, args.batch_size, args.accum_steps, args.epochs,
                           mode=args.mode, warmup=args.warmup, sample_docs=args.sample_docs, progress=True)
     except CorpusError as e:

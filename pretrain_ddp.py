@@ -400,6 +400,8 @@ def quiet_worker(worker_id):
 
 
 def make_loader(stream, num_workers, device):
+    if num_workers:  # the Rust tokenizer's thread pool deadlocks in a process forked after using it
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Batches are built inside the workers (batch_size=None): one IPC message per batch.
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
@@ -408,10 +410,8 @@ def make_loader(stream, num_workers, device):
 
 
 def make_stream(args, corpus, split, tokenizer, seed, shuffle):
-    return data_stream.BertPretrainStream(
-        corpus, tokenizer, split=split, objective=args.objective, max_seq_len=args.max_seq_len,
-        batch_size=args.batch_size, mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
-        seed=seed, rank=GROUP["rank"], world_size=GROUP["world_size"], shuffle=shuffle)
+    return data_stream.stream_from_args(args, corpus, split, tokenizer, seed, shuffle, GROUP["rank"],
+                                        GROUP["world_size"])
 
 
 # ----------------------------------------------------------------------------- the learning-rate plan
@@ -699,8 +699,7 @@ def export_hf(hf_model, tokenizer, out_dir):
 
 # ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
 
-def tokenizer_hash(tokenizer):
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()[:16]
+tokenizer_hash = data_stream.tokenizer_hash
 
 
 def run_tokenizer(args, out_dir, resumed, path):
@@ -712,7 +711,9 @@ def run_tokenizer(args, out_dir, resumed, path):
     elif os.path.isdir(kept):
         tokenizer, source = data_stream.get_tokenizer(kept), kept
     else:
-        tokenizer = data_stream.get_tokenizer(None, data_stream.resolve_corpus(args.corpus), args.vocab_size)
+        corpus = data_stream.open_corpus(args.corpus, "train", args.objective, args.text_field, args.max_doc_bytes,
+                                         args.language)
+        tokenizer = data_stream.get_tokenizer(None, corpus, args.vocab_size, args.tokenizer_sample_mb)
         source = f"trained on --corpus {args.corpus}"
     before = resumed["meta"].get("tokenizer_hash") if resumed else None
     if before not in (None, tokenizer_hash(tokenizer)):
@@ -1008,10 +1009,9 @@ def main(argv=None):
     step_limit = args.max_steps or math.inf  # else the epochs end the run (the plan is an estimate)
     while epoch < args.epochs and step < step_limit and not stopped:
         if resume_data is not None and resume_data["epoch"] == epoch:
-            skipped_docs = stream.load_state_dict(resume_data, args.num_workers)
-            if skipped_docs and master:
-                print(f"{skipped_docs} documents skipped this epoch: their chunks were partly read before the "
-                      "resize", flush=True)
+            dropped_tokens = stream.load_state_dict(resume_data, args.num_workers)
+            if dropped_tokens and master:
+                print(f"{dropped_tokens} tokens of half-filled mlm windows dropped by the resize", flush=True)
         else:
             stream.set_epoch(epoch)
         resume_data = None
