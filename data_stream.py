@@ -131,10 +131,16 @@ def build_builtin_corpus():
     return train_path, eval_path
 
 
+def file_identity(path):
+    """What tells this machine's copy of a file apart from any other version of it: a rewrite
+    changes the ctime even when size and mtime are restored (cp -p, rsync -t, tar)."""
+    st = os.stat(path)
+    return [os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
 def _plain_copy(path):
     """A .gz file is decompressed once into the cache: documents are read by byte offset."""
-    st = os.stat(path)
-    key = hashlib.sha1(f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha1(json.dumps(file_identity(path)).encode()).hexdigest()[:16]
     out = os.path.join(CACHE_DIR, "gunzip", f"{key}-{os.path.basename(path)[:-3]}")
     with _machine_lock(out + ".lock"):
         if not os.path.exists(out):
@@ -143,6 +149,8 @@ def _plain_copy(path):
                 with gzip.open(path, "rb") as src, open(tmp, "wb") as dst:
                     shutil.copyfileobj(src, dst, 1 << 20)
             except (OSError, EOFError) as e:
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
                 raise CorpusError(f"corpus file {path} is not a readable gzip file ({e})") from None
             os.replace(tmp, out)
     return out
@@ -160,20 +168,32 @@ def file_format(path):
     return "text"
 
 
-CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".ndjson", ".parquet", ".arrow")
+CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".parquet", ".arrow")
 
 
-def _dataset_folder(folder, split):
-    """A `save_to_disk` DatasetDict folder -> its split's folder (a plain Dataset folder as is)."""
-    dict_file = os.path.join(folder, "dataset_dict.json")
-    if not os.path.exists(dict_file):
-        return folder
-    with open(dict_file) as f:
+def _dataset_split(folder, split):
+    """A `save_to_disk` DatasetDict folder -> the name of its split to read (eval: validation or test)."""
+    with open(os.path.join(folder, "dataset_dict.json")) as f:
         splits = json.load(f).get("splits", [])
-    if split not in splits:
-        raise CorpusError(f"--corpus {folder} is a DatasetDict with splits {', '.join(splits)}: "
-                          f"give the folder of one, e.g. {os.path.join(folder, splits[0] if splits else 'train')}")
-    return os.path.join(folder, split)
+    for name in ("train",) if split == "train" else ("validation", "test", split):
+        if name in splits:
+            return name
+    example = os.path.join(folder, splits[0] if splits else "")
+    raise CorpusError(f"--corpus {folder} is a DatasetDict with splits {', '.join(splits)}, none of them the "
+                      f"{split} split: give the folder of one, e.g. {example}")
+
+
+def _corpus_files_in(folder, split):
+    """The corpus files under a folder (hidden and cache-* files skipped; a DatasetDict: one split)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        if "dataset_dict.json" in filenames:
+            dirnames[:] = [_dataset_split(dirpath, split)]
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        # datasets' cache-*.arrow files are intermediate results, not the dataset
+        found += [os.path.join(dirpath, f) for f in sorted(filenames)
+                  if f.endswith(CORPUS_SUFFIXES) and not f.startswith((".", "cache-"))]
+    return found
 
 
 def resolve_corpus(spec, split="train"):
@@ -188,9 +208,7 @@ def resolve_corpus(spec, split="train"):
                 raise CorpusError(f"--corpus glob {part!r} matches no file")
             files += found
         elif os.path.isdir(part):
-            # datasets' cache-*.arrow files are intermediate results, not the dataset
-            found = sorted(os.path.join(d, f) for d, _, fs in os.walk(_dataset_folder(part, split)) for f in fs
-                           if f.endswith(CORPUS_SUFFIXES) and not f.startswith((".", "cache-")))
+            found = _corpus_files_in(part, split)
             if not found:
                 raise CorpusError(f"--corpus directory {part} holds no .txt, .jsonl, .parquet or .arrow files "
                                   "(.gz allowed for text and jsonl)")
@@ -263,7 +281,7 @@ def _index_text(path, max_doc_bytes):
 
 def _json_text(line, path, line_no, text_field):
     try:
-        record = json.loads(line)
+        record = json.loads(line.decode("utf-8", errors="replace"))
     except ValueError as e:
         raise CorpusError(f"{path}, line {line_no}: not valid JSON ({e.args[0].split(':')[0]}); "
                           "fix or remove the line") from None
@@ -277,15 +295,19 @@ def _json_text(line, path, line_no, text_field):
     return text or ""
 
 
-def _index_jsonl(path, text_field, max_doc_bytes):
+def _index_jsonl(path, text_field, max_doc_bytes, name):
     """JSON lines: one record per line, indexed by byte offsets; records parsed once here, so a bad
-    line is reported before training rather than in the middle of it."""
-    starts, ends, lengths, empty = [], [], [], 0
+    line is reported (as `name`'s) before training rather than in the middle of it."""
+    starts, ends, lengths, empty, bad = [], [], [], 0, 0
     with open(path, "rb") as f:
         pos = 0
         for line_no, line in enumerate(f, 1):
             if line.strip():
-                text = _json_text(line, path, line_no, text_field)
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError:
+                    bad += 1
+                text = _json_text(line, name, line_no, text_field)
                 if text.strip():
                     starts.append(pos), ends.append(pos + len(line)), lengths.append(len(text))
                 else:
@@ -293,7 +315,7 @@ def _index_jsonl(path, text_field, max_doc_bytes):
             pos += len(line)
     record, part, size = _text_parts(lengths, max_doc_bytes)
     return {"start": np.array(starts, np.int64)[record], "end": np.array(ends, np.int64)[record],
-            "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
+            "part": part.astype(np.int32), "bytes": size, "bad": bad, "empty": empty}
 
 
 def _arrow_table(path, pa):
@@ -310,7 +332,9 @@ def _text_column(path, schema, text_field, pa):
         raise CorpusError(f"{path} has no column {text_field!r} (it has: {', '.join(schema.names)}); "
                           "name the text with --text-field")
     kind = schema.field(text_field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    if pa.types.is_dictionary(kind):  # pandas categoricals
+        kind = kind.value_type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
         raise CorpusError(f"{path}: column {text_field!r} is {kind}, not text; name the text with --text-field")
 
 
@@ -333,6 +357,7 @@ def _index_table(path, fmt, text_field, max_doc_bytes):
         raise CorpusError(f"corpus file {path} does not read as {fmt} ({str(e).splitlines()[0]})") from None
     groups, rows, lengths, empty = [], [], [], 0
     for group, column in columns:
+        column = column.cast(pa.large_string())  # dictionary-encoded and all-null columns too
         length = pc.fill_null(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0).to_numpy()
         keep = np.flatnonzero(length > 0)
         empty += len(length) - len(keep)
@@ -343,19 +368,18 @@ def _index_table(path, fmt, text_field, max_doc_bytes):
             "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
 
 
-def _index_file(path, fmt, text_field, max_doc_bytes):
+def _index_file(path, fmt, text_field, max_doc_bytes, name):
     """One file's index, cached on disk by (path, size, mtime, settings): a restart reads no text.
     The first process of a machine builds it; the others wait for it and load it."""
-    st = os.stat(path)
-    key = hashlib.sha1(json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, fmt, text_field,
-                                   max_doc_bytes, INDEX_VERSION]).encode()).hexdigest()[:20]
+    key = hashlib.sha1(json.dumps([file_identity(path), fmt, text_field, max_doc_bytes,
+                                   INDEX_VERSION]).encode()).hexdigest()[:20]
     cached = os.path.join(CACHE_DIR, "index", f"{key}.npz")
     with _machine_lock(cached + ".lock"):
         if not os.path.exists(cached):
             if fmt == "text":
                 index = _index_text(path, max_doc_bytes)
             elif fmt == "jsonl":
-                index = _index_jsonl(path, text_field, max_doc_bytes)
+                index = _index_jsonl(path, text_field, max_doc_bytes, name)
             else:
                 index = _index_table(path, fmt, text_field, max_doc_bytes)
             tmp = f"{cached}.tmp{os.getpid()}.npz"
@@ -387,7 +411,8 @@ class Corpus:
         self.formats = [file_format(p) for p in given]
         # gzip has no random access: a .gz is decompressed once into the cache
         self.files = [_plain_copy(p) if p.endswith(".gz") else p for p in given]
-        parts = [_index_file(p, f, text_field, max_doc_bytes) for p, f in zip(self.files, self.formats, strict=True)]
+        parts = [_index_file(p, f, text_field, max_doc_bytes, name)
+                 for p, f, name in zip(self.files, self.formats, given, strict=True)]
         bad, empty = sum(int(x["bad"]) for x in parts), sum(int(x["empty"]) for x in parts)
         if bad:
             warnings.warn(f"corpus: {bad} line(s) hold bytes that are not UTF-8; they were replaced", stacklevel=2)
@@ -418,7 +443,7 @@ class Corpus:
 
     def identity(self):
         """This machine's files and reading settings: what a cache of their tokens is keyed by."""
-        files = [(os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns) for p in self.files]
+        files = [file_identity(p) for p in self.files]
         return [files, self.text_field, self.max_doc_bytes, self.sentences, self.language, self.fingerprint()]
 
     def _segmenter(self):
@@ -593,10 +618,12 @@ class TokenCache:
         self.dir = os.path.join(root, key)
         self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
         self.where, self.pieces, self.pending, self.pending_tokens = None, [], [], 0
-        self.writable = True
+        self.writable, self.pid = True, os.getpid()
 
     def refresh(self, num_docs):
         """Find the pieces written so far (by any process); called at the start of every pass."""
+        if self.pid != os.getpid():  # a forked worker: what its parent had pending is the parent's
+            self.pid, self.pending, self.pending_tokens = os.getpid(), [], 0
         self.where, self.pieces = np.full((num_docs, 2), -1, np.int64), []
         if not os.path.isdir(self.dir):
             return
@@ -927,6 +954,8 @@ class BertPretrainStream(IterableDataset):
     # --- documents: token ids, from the cache or tokenized now (worker process)
     def document(self, doc_id, keep=True):
         """(ids, sentence bounds) of a document; `keep`: store it in the token cache when tokenized."""
+        if self.cache is not None and self.cache.where is None:
+            self.cache.refresh(self.num_docs)
         hit = self.cache.get(doc_id) if self.cache is not None else None
         if hit is not None:
             return hit
