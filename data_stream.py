@@ -444,7 +444,8 @@ class Corpus:
     def identity(self):
         """This machine's files and reading settings: what a cache of their tokens is keyed by."""
         files = [file_identity(p) for p in self.files]
-        return [files, self.text_field, self.max_doc_bytes, self.sentences, self.language, self.fingerprint()]
+        split = self.sentences and any(f != "text" for f in self.formats)  # text reads the same either way
+        return [files, self.text_field, self.max_doc_bytes, split, self.language, self.fingerprint()]
 
     def _segmenter(self):
         try:
@@ -831,7 +832,7 @@ def batches_per_rank(samples_per_worker, batch_size):
 def fresh_position(num_open, shard_size):
     """A shard's cursor before its first sample: the first num_open documents open, none read."""
     k = min(num_open, shard_size)
-    return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k, "carry": None}
+    return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k}
 
 
 # ============================================================================= the stream
@@ -925,11 +926,9 @@ class BertPretrainStream(IterableDataset):
 
     def load_state_dict(self, state, num_workers=None):
         """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
-        written with) continues after what `state` says was consumed. Returns how many tokens the
-        resume drops: 0 unless the number of shards (ranks x workers) changed and an mlm window was
-        half filled (its tokens, fewer than a window per old shard, cannot be carried over)."""
+        written with) continues after what `state` says was consumed, also when the number of
+        shards (ranks x workers) changed."""
         state = {"exclude": [], "partial": {}, **json.loads(json.dumps(state))}
-        dropped = 0
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
             # Resharded resume: documents the old sharding finished are left out, a partly read one
@@ -944,12 +943,10 @@ class BertPretrainStream(IterableDataset):
                 exclude.update(int(shard[p]) for p in range(pos["next"]) if p not in still_open)
                 partial.update({str(int(shard[p])): t for p, t in zip(pos["open"], pos["taken"], strict=True)
                                 if p >= 0 and t > 0})
-                dropped += pos["carry"][2] - pos["carry"][1] if pos.get("carry") else 0
             state = {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
                      "exclude": sorted(exclude), "partial": {d: t for d, t in partial.items() if int(d) not in exclude}}
         self.epoch, self.resume = state["epoch"], state
         self._consumed = json.loads(json.dumps(state)) if state["num_shards"] else None
-        return dropped
 
     # --- documents: token ids, from the cache or tokenized now (worker process)
     def document(self, doc_id, keep=True):
@@ -995,15 +992,13 @@ class BertPretrainStream(IterableDataset):
             b = random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
         return b if len(b) else np.array([self.tokenizer.unk_token_id], np.int32)
 
-    # --- units: what one draw from an open document takes (nsp: a sample; mlm: a piece of tokens)
+    # --- units: what a draw from an open document takes (nsp: a sample; mlm: tokens of its stream)
     def _units(self, doc_id):
+        """nsp: the document's samples; mlm: its tokens and a [SEP], with per-token masking draws."""
         ids, bounds = self.document(doc_id)
         if self.objective == "mlm":
-            # the document's tokens and a [SEP], in pieces of up to a window; per-token draws for masking
             ids = np.concatenate([ids, [self.sep_id]]).astype(np.int64)
-            width = self.max_seq_len - 2
-            draws = doc_rng(self.seed, self.epoch, doc_id, 4).random((3, len(ids)), dtype=np.float32)
-            return [(ids[k:k + width], draws[:, k:k + width], doc_id) for k in range(0, len(ids), width)]
+            return ids, doc_rng(self.seed, self.epoch, doc_id, 4).random((3, len(ids)), dtype=np.float32), doc_id
         lengths = np.diff(bounds)
         starts, lengths = bounds[:-1][lengths > 0], lengths[lengths > 0]
         ends = starts + lengths
@@ -1037,11 +1032,12 @@ class BertPretrainStream(IterableDataset):
             return block[n // 4096][n % 4096]
         return draw
 
-    def _shard_units(self, shard_docs, position, draw):
-        """Units of one shard, each from a randomly drawn open document. `position` (the cursor) is
-        updated in place: which shard documents are open ('open': places in the shard, -1 once none
-        is left), how many units each has given ('taken'), the next place to open, the draws made.
-        Yields (unit, place of its document, its index in the document)."""
+    def _shard_units(self, shard_docs, position, draw, take, size):
+        """Units of one shard, each from a randomly drawn open document: take(units, k) -> (unit,
+        next k) takes what follows index k of a document's units, size(units) is where they end.
+        `position` (the cursor) is updated in place: which shard documents are open ('open': places
+        in the shard, -1 once none is left), how far each is read ('taken'), the next place to open,
+        the draws made."""
         opened, taken = position["open"], position["taken"]
         partial = (self.resume or {}).get("partial", {})
         live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
@@ -1053,11 +1049,12 @@ class BertPretrainStream(IterableDataset):
                 live[slot] = self._units(doc_id)
                 # a document partly read before a resize goes on from where it stopped
                 taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
-            units, place, k = live[slot], opened[slot], taken[slot]
-            if k < len(units):  # else an empty document: replaced, and the same draw used again
-                taken[slot] += 1
+            units, k = live[slot], taken[slot]
+            end = size(units)
+            if k < end:  # else an empty document: replaced, and the same draw used again
+                unit, taken[slot] = take(units, k)
                 position["draw"] += 1
-            if k + 1 >= len(units):
+            if taken[slot] >= end:
                 del live[slot]
                 if position["next"] < len(shard_docs):
                     opened[slot], taken[slot] = position["next"], 0
@@ -1065,38 +1062,34 @@ class BertPretrainStream(IterableDataset):
                 else:
                     opened[slot] = -1
                     active.remove(slot)
-            if k < len(units):
-                yield units[k], place, k
+            if k < end:
+                yield unit
 
     def _samples(self, shard_docs, position, draw):
         """(ids, draws, doc ids, type_start, nsp label) of each sample of a shard, from `position` on."""
         if self.objective == "nsp":
-            for (ids, draws, doc_id, type_start, label), _, _ in self._shard_units(shard_docs, position, draw):
+            for ids, draws, doc_id, type_start, label in self._shard_units(
+                    shard_docs, position, draw, lambda units, k: (units[k], k + 1), len):
                 yield ids, draws, [doc_id], type_start, label
             return
-        # mlm: pieces are packed into windows of max_seq_len - 2 tokens. The part of a piece that
-        # does not fit starts the next window; the cursor names it ('carry': the document's place
-        # in the shard and the token range left), so a resume needs nothing else.
-        width, parts, have = self.max_seq_len - 2, [], 0
-        if position["carry"]:
-            place, lo, hi = position["carry"]
-            ids, draws, doc_id = self._units(int(shard_docs[place]))[lo // width]
-            cut = slice(lo % width, lo % width + hi - lo)
-            parts, have = [(ids[cut], draws[:, cut], doc_id, place, lo)], hi - lo
-        for (ids, draws, doc_id), place, k in self._shard_units(shard_docs, position, draw):
-            parts.append((ids, draws, doc_id, place, k * width))
-            have += len(ids)
-            if have < width:
-                continue
-            ids, draws, doc_id, place, lo = parts[-1]
-            keep = len(ids) - (have - width)
-            parts[-1] = (ids[:keep], draws[:, :keep], doc_id, place, lo)
-            rest = (ids[keep:], draws[:, keep:], doc_id, place, lo + keep)
-            position["carry"] = [place, lo + keep, lo + len(ids)] if keep < len(ids) else None
-            yield self._window(parts)
-            parts, have = ([rest], len(rest[0])) if position["carry"] else ([], 0)
+        # mlm: a window of max_seq_len - 2 tokens is filled from a drawn document up to the window's
+        # end or the document's (its [SEP]), then from the next drawn one: documents change only at
+        # a [SEP], every window ends at a draw (the cursor needs nothing else), and every token of
+        # the shard is in one window.
+        width, parts, need = self.max_seq_len - 2, [], [self.max_seq_len - 2]
+
+        def take(units, k):
+            ids, draws, doc_id = units
+            end = min(k + need[0], len(ids))
+            return (ids[k:end], draws[:, k:end], doc_id), end
+
+        for part in self._shard_units(shard_docs, position, draw, take, lambda units: len(units[0])):
+            parts.append(part)
+            need[0] -= len(part[0])
+            if need[0] == 0:
+                yield self._window(parts)
+                parts, need[0] = [], width
         if parts:
-            position["carry"] = None
             yield self._window(parts)
 
     def _window(self, parts):

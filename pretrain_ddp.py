@@ -1009,9 +1009,7 @@ def main(argv=None):
     step_limit = args.max_steps or math.inf  # else the epochs end the run (the plan is an estimate)
     while epoch < args.epochs and step < step_limit and not stopped:
         if resume_data is not None and resume_data["epoch"] == epoch:
-            dropped_tokens = stream.load_state_dict(resume_data, args.num_workers)
-            if dropped_tokens and master:
-                print(f"{dropped_tokens} tokens of half-filled mlm windows dropped by the resize", flush=True)
+            stream.load_state_dict(resume_data, args.num_workers)
         else:
             stream.set_epoch(epoch)
         resume_data = None

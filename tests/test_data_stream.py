@@ -1,13 +1,13 @@
 import gzip
 import os
-import re
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, marker, write_corpus
+from conftest import ROOT, write_corpus
 from torch.utils.data import DataLoader
 
 import data_stream as ds
@@ -35,36 +35,41 @@ def run_ranks(corpus, tokenizer, world_size, num_workers, epoch=0, **kw):
     return out
 
 
-def markers_per_shard(batches, tokenizer):
-    """mlm + no masking: the shard's token stream decoded -> the document markers in it."""
+def tokens_per_shard(batches, tokenizer):
+    """mlm + no masking: each shard's tokens, special tokens left out, in the order read."""
     tokens = {}
     special = set(tokenizer.all_special_ids)
     for b in batches:
         ids = [t for t in b["input_ids"].flatten().tolist() if t not in special]
         tokens.setdefault(b["cursor"][0], []).extend(ids)
-    return {shard: re.findall(r"docstart((?: (?:zero|one|two|three|four|five|six|seven|eight|nine))+)",
-                              tokenizer.decode(t)) for shard, t in tokens.items()}
+    return tokens
+
+
+def corpus_tokens(corpus, tokenizer):
+    """Every token of every document, once: what one epoch must hold, no more and no less."""
+    stream = make_stream(corpus, tokenizer, token_cache="none")
+    return Counter(t for d in range(stream.num_docs) for t in stream.document(d)[0].tolist())
 
 
 @pytest.mark.parametrize("world_size,num_workers", [(2, 0), (2, 2), (3, 0), (3, 2)])
 def test_every_document_read_once_per_epoch(corpus, tokenizer, world_size, num_workers):
-    expected = sorted(marker(d)[len("docstart"):] for d in range(120))
+    expected = corpus_tokens(corpus, tokenizer)
     orders = []
     for epoch in (0, 1):
         per_rank = run_ranks(corpus, tokenizer, world_size, num_workers, epoch, objective="mlm", mask_prob=0.0)
         shards = {}
         for batches in per_rank:
-            shards.update(markers_per_shard(batches, tokenizer))
+            shards.update(tokens_per_shard(batches, tokenizer))
         assert len(shards) == world_size * max(num_workers, 1)  # every (rank, worker) had work
-        seen = [m for s in sorted(shards) for m in shards[s]]
-        assert sorted(seen) == expected  # no duplicates, no gaps
+        seen = [t for s in sorted(shards) for t in shards[s]]
+        assert Counter(seen) == expected  # every token of the corpus once: no duplicates, no gaps
         orders.append(seen)
     assert orders[0] != orders[1]  # reshuffled every epoch
     again = run_ranks(corpus, tokenizer, world_size, num_workers, 0, objective="mlm", mask_prob=0.0)
     shards = {}
     for batches in again:
-        shards.update(markers_per_shard(batches, tokenizer))
-    assert [m for s in sorted(shards) for m in shards[s]] == orders[0]  # deterministic
+        shards.update(tokens_per_shard(batches, tokenizer))
+    assert [t for s in sorted(shards) for t in shards[s]] == orders[0]  # deterministic
 
 
 def test_shards_are_byte_balanced_and_survive_few_documents():
@@ -120,18 +125,18 @@ def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective
 def test_resize_chain_4_2_2_repeats_nothing(corpus, tokenizer):
     """4 ranks consume part of an epoch; resumed on 2 ranks x 1 worker, which consume more and
     checkpoint; restarted on 2 x 1 again: no document is ever read twice in the epoch, partly read
-    documents go on where they stopped, and only the tokens of half-filled windows are dropped."""
+    documents go on where they stopped."""
     kw = dict(objective="mlm", mask_prob=0.0, seed=5)
     seen, phases = [], []
 
     def consume(world_size, num_workers, state, batches_per_rank):
-        states, markers, skipped = [], [], 0
+        states, tokens = [], []
         for rank in range(world_size):
             stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
             if state is None:
                 stream.set_epoch(1)
             else:
-                skipped = stream.load_state_dict(state, num_workers)
+                stream.load_state_dict(state, num_workers)
             it, taken = iter(loader(stream, num_workers)), []
             for batch in it:
                 if len(taken) == batches_per_rank:
@@ -139,25 +144,22 @@ def test_resize_chain_4_2_2_repeats_nothing(corpus, tokenizer):
                 stream.consumed(batch["cursor"])
                 taken.append(batch)
             del it
-            markers += [m for ms in markers_per_shard(taken, tokenizer).values() for m in ms]
+            tokens += [t for ts in tokens_per_shard(taken, tokenizer).values() for t in ts]
             states.append(stream.state_dict())
-        phases.append(markers)
-        return states, skipped
+        phases.append(tokens)
+        return states
 
-    states, _ = consume(4, 0, None, 3)
-    states, skipped_2 = consume(2, 1, ds.BertPretrainStream.merge_states(states), 10)
+    states = consume(4, 0, None, 3)
+    states = consume(2, 1, ds.BertPretrainStream.merge_states(states), 10)
     assert all(s["num_shards"] == 2 and s["exclude"] for s in states)  # the new sharding, and what it left out
     for rank in range(2):  # a same-size restart: each rank its own cursor
         stream = make_stream(corpus, tokenizer, rank=rank, world_size=2, **kw)
-        assert stream.load_state_dict(states[rank], 1) == 0
-        seen += [m for ms in markers_per_shard(list(loader(stream, 1)), tokenizer).values() for m in ms]
+        stream.load_state_dict(states[rank], 1)
+        seen += [t for ts in tokens_per_shard(list(loader(stream, 1)), tokenizer).values() for t in ts]
     phases.append(seen)
-    everything = [m for markers in phases for m in markers]
-    assert len(everything) == len(set(everything)), "a document was read twice"
-    assert all(len(markers) >= 3 for markers in phases), [len(m) for m in phases]  # each phase read documents
-    assert 0 < skipped_2 < 4 * 30  # tokens of the 4 old shards' half-filled windows (under a window each)
-    # Every document was read: a marker is lost only inside a dropped half-filled window (4 at most)
-    assert len(set(everything)) >= 120 - 4
+    assert all(len(tokens) > 100 for tokens in phases), [len(t) for t in phases]  # each phase read documents
+    # every token of the corpus once over the three phases: nothing read twice, nothing lost
+    assert Counter(t for tokens in phases for t in tokens) == corpus_tokens(corpus, tokenizer)
 
 
 def test_masking_statistics(corpus, tokenizer):
@@ -318,7 +320,26 @@ def test_resize_neither_repeats_nor_loses_an_nsp_sample(corpus, tokenizer):
     assert len(merged["positions"]) == 4
     for rank in range(2):
         stream = make_stream(corpus, tokenizer, rank=rank, world_size=2, **kw)
-        assert stream.load_state_dict(merged, 1) == 0  # nsp drops nothing
+        stream.load_state_dict(merged, 1)
         assert stream.resume["partial"]  # documents were partly read when the 4 ranks stopped
         seen += rows(list(loader(stream, 1)))
     assert sorted(seen) == reference
+
+
+def test_mlm_windows_change_document_only_at_a_sep(corpus, tokenizer):
+    """Packed windows hold runs of whole-document text: between two [SEP]s (or a window's edges)
+    the tokens are one stretch of one document, never the middle of one glued to another."""
+    stream = make_stream(corpus, tokenizer, objective="mlm", batch_size=8, max_seq_len=64, mask_prob=0.0)
+    sep = tokenizer.sep_token_id
+    texts = [" " + " ".join(map(str, stream.document(d)[0].tolist() + [sep])) + " " for d in range(stream.num_docs)]
+    runs = 0
+    for batch, docs in stream.batches():
+        for row, row_docs in zip(batch["input_ids"], docs, strict=True):
+            ids = row[row != tokenizer.pad_token_id].tolist()[1:-1]  # without [CLS] and the closing [SEP]
+            cuts = [0] + [k + 1 for k, t in enumerate(ids) if t == sep]
+            for lo, hi in zip(cuts, cuts[1:] + [len(ids)], strict=True):
+                if lo < hi:
+                    runs += 1
+                    run = " " + " ".join(map(str, ids[lo:hi])) + " "
+                    assert any(run in texts[d] for d in row_docs), tokenizer.decode(ids[lo:hi])
+    assert runs > 2 * 120  # windows really do span documents
