@@ -35,11 +35,18 @@ import numpy as np
 
 from data_stream import CorpusError, add_data_args, batches_per_rank, shard_documents, stream_from_args
 
+WARMUP = 0.06                # default --warmup of this script and of pretrain_ddp.py
 AUTO_EXACT_BYTES = 50_000_000  # auto mode counts exactly below this much text (~1 min of tokenizing)
 SIMULATION_DRAWS = 1000      # sample mode: simulated epochs per estimate (percentiles need ~1000)
 SHARD_EPOCHS = 16            # sample mode: epochs whose real shard sizes are computed (an O(documents) pass each)
 SAMPLE_EPOCHS = 8            # sample mode, nsp: epochs counted per sampled document (their spread)
 PROGRESS_SECONDS = 5.0       # how often long counts report on stderr
+
+
+def warmup_steps(warmup, total_steps):
+    """The trainer's warmup (one rule for both scripts): warmup x total steps, rounded, at least
+    one step when warmup > 0, never more than the plan."""
+    return min(total_steps, max(1, round(warmup * total_steps))) if warmup > 0 else 0
 
 
 def check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs):
@@ -260,7 +267,7 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
 
     `*_per_epoch` and the per-rank values are epoch 0's in exact mode (`per_epoch` lists every
     epoch) and an epoch's median in sample mode; `*_ci` are 95% intervals (one point in exact mode).
-    warmup_steps = round(warmup * total_steps), Python's round (half to even).
+    warmup_steps is what pretrain_ddp.py will use for these settings (warmup_steps()).
     """
     check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs)
     t0 = time.perf_counter()
@@ -298,7 +305,7 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
             "objective": stream.objective, "max_seq_len": stream.max_seq_len, "world_size": world_size,
             "num_workers": num_workers, "num_shards": num_shards, "batch_size": batch_size,
             "accum_steps": accum_steps, "epochs": epochs, **result,
-            "warmup": warmup, "warmup_steps": round(warmup * result["total_steps"]), "note": note}
+            "warmup": warmup, "warmup_steps": warmup_steps(warmup, result["total_steps"]), "note": note}
 
 
 def format_report(r):
@@ -333,7 +340,7 @@ def format_report(r):
          extra("micro_batches_per_rank_min")),
         ("optimizer steps per epoch", num(r["steps_per_epoch"]), extra("steps", "steps_per_epoch_ci")),
         ("total steps", num(r["total_steps"]), extra(None, "total_steps_ci") if r["mode"] == "sample" else ""),
-        ("warmup steps", num(r["warmup_steps"]), f"round({r['warmup']} x total steps)"),
+        ("warmup steps", num(r["warmup_steps"]), f"{r['warmup']} x total steps, as pretrain_ddp.py plans it"),
         ("unused samples per epoch", num(r["unused_samples"]), extra("unused_samples")),
     ]
     lines += [f"{label:<32}{value:>17}  {more}".rstrip() for label, value, more in rows]
@@ -353,7 +360,7 @@ def main(argv=None):
     parser.add_argument("--world-size", type=int, default=1, help="DDP ranks")
     parser.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank (0: one shard/rank)")
     parser.add_argument("--epochs", type=int, default=1, help="passes over the corpus")
-    parser.add_argument("--warmup", type=float, default=0.01, help="warmup as a fraction of the total steps")
+    parser.add_argument("--warmup", type=float, default=WARMUP, help="warmup as a fraction of the total steps")
     parser.add_argument("--mode", default="auto", choices=["auto", "exact", "sample"],
                         help=f"exact: tokenize everything; sample: scale up --sample-docs documents; "
                              f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text and --sample-docs documents")

@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import data_stream
+import estimate_steps
 
 # BERT sizes of Turc et al. 2019 (tiny..medium) and of the BERT paper (base, large):
 # (layers, hidden, attention heads); the feed-forward width is 4 x hidden.
@@ -62,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=None,
                    help="stop after this many optimizer steps; default: the whole --epochs (estimated)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=float, default=0.06, help="fraction of the planned steps with linear warmup")
+    p.add_argument("--warmup", type=float, default=estimate_steps.WARMUP,
+                   help="fraction of the planned steps with linear warmup")
     p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decay (not on biases and LayerNorm)")
     p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping; 0 turns it off")
     p.add_argument("--amp", action="store_true", help="mixed precision: bf16 where supported, else fp16 + GradScaler")
@@ -421,11 +423,10 @@ def make_stream(args, corpus, split, tokenizer, seed, shuffle):
 # zero at the end of the planned data, not before or after.
 
 def new_lr_plan(args, stream, world_size):
-    import estimate_steps
     est = estimate_steps.estimate(stream, world_size, args.num_workers, args.batch_size, args.accum_steps,
                                   args.epochs)
     total = est["total_steps"] if args.max_steps is None else min(args.max_steps, est["total_steps"] or 1)
-    warmup = max(1, round(args.warmup * total)) if args.warmup > 0 else 0
+    warmup = estimate_steps.warmup_steps(args.warmup, total)
     return {"total": total, "warmup": warmup, "batch": args.batch_size * args.accum_steps * world_size,
             "decay_from": [warmup, 1.0], "steps_per_epoch": est["total_steps"] / args.epochs}, est
 

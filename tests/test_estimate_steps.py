@@ -48,7 +48,7 @@ def check_against_stream(corpus, tokenizer, world_size, num_workers, objective, 
                     "unused_samples": sum(map(sum, ranks)) - used}
             assert {k: got[k] for k in want} == want, (epoch, accum)
         total = sum(min(len(b) for b in ranks) // accum for ranks in real)
-        assert r["total_steps"] == total and r["warmup_steps"] == round(0.1 * total)
+        assert r["total_steps"] == total and r["warmup_steps"] == min(total, max(1, round(0.1 * total)))
         assert r["samples_per_epoch"] == sum(map(sum, real[0])) and r["steps_per_epoch"] == r["per_epoch"][0]["steps"]
     assert not stream.cache.pending  # what the estimator tokenized is in the cache, not in memory to fork
     return real
@@ -128,7 +128,7 @@ def test_cli_json_and_table(corpus, tokenizer, tmp_path):
                 "tokens", "samples_per_rank_min", "samples_per_rank_max", "micro_batches_per_rank_min",
                 "micro_batches_per_rank_max", "unused_samples", "per_epoch", "total_steps_ci"):
         assert r[key] == want[key], key
-    assert r["total_steps"] > 10 and r["warmup_steps"] == round(0.1 * r["total_steps"])
+    assert r["total_steps"] > 10 and r["warmup_steps"] == max(1, round(0.1 * r["total_steps"]))
     code, out, err = finish(as_table)
     assert code == 0, err
     rows = {line[:32].strip(): line[32:].strip() for line in out.splitlines()}  # label column, then value
@@ -160,3 +160,18 @@ def test_bad_input_gives_one_line_errors(tmp_path, tokenizer):
             es.main(args)
         assert str(e.value.code).startswith(f"estimate_steps.py: error: {message}")
         assert "\n" not in str(e.value.code)
+
+
+def test_estimated_warmup_is_the_trainers(corpus, tokenizer):
+    """One rule and one default: what estimate_steps.py prints is what pretrain_ddp.py plans."""
+    import pretrain_ddp as P
+    stream = stream_of(corpus, tokenizer)
+    assert P.parse_args([]).warmup == es.WARMUP == 0.06
+    for batch_size, epochs in ((4, 1), (32, 2), (100_000, 1)):  # ~15, ~4 and 0 steps
+        for warmup in (0.0, 0.01, 0.06, 0.5, 1.0):
+            args = P.parse_args(["--batch-size", str(batch_size), "--epochs", str(epochs), "--warmup", str(warmup),
+                                 "--num-workers", "0"])
+            plan, _ = P.new_lr_plan(args, stream, 1)
+            r = es.estimate(stream, 1, 0, batch_size, 1, epochs, warmup=warmup)
+            assert r["warmup_steps"] == plan["warmup"] and r["total_steps"] == plan["total"], (batch_size, warmup)
+            assert (plan["warmup"] >= 1) == (warmup > 0 and plan["total"] > 0)
