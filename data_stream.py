@@ -985,10 +985,11 @@ class BertPretrainStream(IterableDataset):
         else:
             lines = self.corpus.read(doc_id)
             start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
+            step = 2  # lines tokenized at a time, doubling: most random segments need a few sentences
             while 0 <= start < len(lines) and have < max(target_len, 1):
-                i, bd = tokenize_lines(self.tokenizer, lines[start:start + 8])
+                i, bd = tokenize_lines(self.tokenizer, lines[start:start + step])
                 ids.append(i), bounds.append(bd[1:] + have)
-                have, start = have + len(i), start + 8
+                have, start, step = have + len(i), start + step, 2 * step
             b = random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
         return b if len(b) else np.array([self.tokenizer.unk_token_id], np.int32)
 
@@ -1248,6 +1249,8 @@ def main(argv=None):
     parser.add_argument("--bench-seconds", type=float, default=20.0, help="time budget of --bench")
     parser.add_argument("--build-cache", action="store_true", help="tokenize the whole corpus into the token cache now")
     args = parser.parse_args(argv)
+    if args.bench:  # one worker's rate is one core's: a DataLoader worker tokenizes on one thread
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         stream = stream_from_args(args, rank=0, world_size=1)
         print(f"corpus: {len(stream.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
@@ -1296,16 +1299,18 @@ def bench(stream, seconds):
     lines, chars, docs, t0 = [], 0, 0, time.perf_counter()
     for doc_id in range(stream.num_docs):
         doc_lines = stream.corpus.read(doc_id)
-        lines, chars, docs = lines + doc_lines, chars + sum(map(len, doc_lines)), docs + 1
+        lines += doc_lines
+        chars, docs = chars + sum(map(len, doc_lines)), docs + 1
         if chars > 4 * tokens:  # ~4 characters per token: about the same amount of text
             break
     t1 = time.perf_counter()
-    bare_tokens = sum(len(e.ids) for e in stream.tokenizer.backend_tokenizer.encode_batch(lines))
+    encoded = stream.tokenizer.backend_tokenizer.encode_batch(lines, add_special_tokens=False)
+    bare_tokens = sum(len(e.ids) for e in encoded)
     tok_s = time.perf_counter() - t1
     print(f"stream: {samples / stream_s:,.0f} samples/s, {tokens / stream_s:,.0f} tokens/s (one worker, "
           f"{stream_s:.1f} s, {epoch} epoch(s)); first batch after {first or 0:.2f} s; "
           f"{distinct / max(full, 1):.1f} distinct documents per batch of {stream.batch_size}")
-    print(f"bare tokenizer encode_batch: {bare_tokens / tok_s:,.0f} tokens/s on {docs} documents "
+    print(f"bare tokenizer encode_batch, one thread: {bare_tokens / tok_s:,.0f} tokens/s on {docs} documents "
           f"(read {t1 - t0:.2f} s)")
 
 

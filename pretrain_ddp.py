@@ -402,8 +402,9 @@ def quiet_worker(worker_id):
 
 
 def make_loader(stream, num_workers, device):
-    if num_workers:  # the Rust tokenizer's thread pool deadlocks in a process forked after using it
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
+    # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Batches are built inside the workers (batch_size=None): one IPC message per batch.
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
     return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
