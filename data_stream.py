@@ -29,6 +29,7 @@ The layers, one section each, each knowing only the one below it:
 
 import argparse
 import ast
+import collections
 import contextlib
 import fcntl
 import glob
@@ -54,6 +55,7 @@ MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bou
 MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
+ROW_GROUP_CACHE_BYTES = 1 << 27  # decoded parquet row groups a process keeps (cold reads only)
 PIECE_TOKENS = 1 << 20      # the token cache is written in pieces of about this many tokens
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 INDEX_VERSION, CACHE_VERSION = 2, 1  # bump when the index or cache layout changes
@@ -465,7 +467,7 @@ class Corpus:
                 self._open[file_id] = open(path, "rb")
             elif fmt == "parquet":
                 import pyarrow.parquet as pq
-                self._open[file_id] = [pq.ParquetFile(path), None, None]  # file, cached row group, its texts
+                self._open[file_id] = (pq.ParquetFile(path), collections.OrderedDict())  # file, decoded row groups
             else:
                 self._open[file_id] = _arrow_table(path, _pyarrow(path)).column(self.text_field)
         return self._open[file_id]
@@ -477,10 +479,14 @@ class Corpus:
         if fmt == "jsonl":
             handle.seek(start)
             return _json_text(handle.read(end - start), self.files[file_id], "?", self.text_field)
-        if fmt == "parquet":
-            if handle[1] != start:  # one row group decoded at a time; cold reads only (see the cache)
-                handle[1:] = [start, handle[0].read_row_group(start, columns=[self.text_field]).column(0)]
-            return handle[2][end].as_py()
+        if fmt == "parquet":  # a row is read by decoding its row group: recent ones are kept
+            parquet, groups = handle
+            if start not in groups:
+                groups[start] = parquet.read_row_group(start, columns=[self.text_field]).column(0)
+                while len(groups) > 1 and sum(g.nbytes for g in groups.values()) > ROW_GROUP_CACHE_BYTES:
+                    groups.popitem(last=False)
+            groups.move_to_end(start)
+            return groups[start][end].as_py()
         return handle[end].as_py()
 
     def read(self, doc_id):
@@ -970,11 +976,10 @@ class BertPretrainStream(IterableDataset):
         if self.cache is not None:
             self.cache.flush()
 
-    def pair_plans(self, seg_lens, doc_id, epoch, rng=None):
-        """The nsp samples of a document in an epoch (plan_pairs); estimate_steps.py counts these.
-        The document's RNG plans first; the sample maker goes on with it (truncation, masking)."""
+    def pair_plans(self, seg_lens, doc_id, epoch):
+        """The nsp samples of a document in an epoch (plan_pairs); estimate_steps.py counts these."""
         return plan_pairs(seg_lens.tolist(), self.max_seq_len - 3, self.short_seq_prob, doc_id, self.num_docs,
-                          rng or doc_rng(self.seed, epoch, doc_id, 0))
+                          doc_rng(self.seed, epoch, doc_id, 0))
 
     def _random_b(self, doc_id, frac, target_len):
         """B of a random next sentence. A cached document is sliced; otherwise only the sentences
@@ -995,30 +1000,30 @@ class BertPretrainStream(IterableDataset):
 
     # --- units: what a draw from an open document takes (nsp: a sample; mlm: tokens of its stream)
     def _units(self, doc_id):
-        """nsp: the document's samples; mlm: its tokens and a [SEP], with per-token masking draws."""
+        """nsp: the document's planned pairs (built when drawn); mlm: its tokens and a [SEP], with
+        per-token masking draws."""
         ids, bounds = self.document(doc_id)
         if self.objective == "mlm":
             ids = np.concatenate([ids, [self.sep_id]]).astype(np.int64)
             return ids, doc_rng(self.seed, self.epoch, doc_id, 4).random((3, len(ids)), dtype=np.float32), doc_id
         lengths = np.diff(bounds)
         starts, lengths = bounds[:-1][lengths > 0], lengths[lengths > 0]
-        ends = starts + lengths
-        max_tokens = self.max_seq_len - 3  # room for [CLS] A [SEP] B [SEP]
-        rng = doc_rng(self.seed, self.epoch, doc_id, 0)
-        samples = []
-        for a_start, a_end, b_end, random_doc, frac, target_len in self.pair_plans(lengths, doc_id, self.epoch, rng):
-            a = ids[starts[a_start]:ends[a_end - 1]]
-            if random_doc >= 0:
-                b = self._random_b(random_doc, frac, target_len - len(a))
-            else:
-                b = ids[starts[a_end]:ends[b_end - 1]]
-            a, b = truncate_pair(a, b, max_tokens, rng)
-            samples.append((np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]]).astype(np.int64),
-                            len(a) + 2, int(random_doc >= 0)))
-        draws = rng.random((3, sum(len(s[0]) for s in samples)), dtype=np.float32)
-        offsets = np.cumsum([0] + [len(s[0]) for s in samples])
-        return [(ids_, draws[:, offsets[k]:offsets[k + 1]], doc_id, type_start, label)
-                for k, (ids_, type_start, label) in enumerate(samples)]
+        return doc_id, ids, starts, starts + lengths, self.pair_plans(lengths, doc_id, self.epoch)
+
+    def _nsp_sample(self, units, k):
+        """Sample k of a document, built when it is drawn: its random next segment is read then,
+        so a long document's samples cost nothing until they are used. Its RNG is its own (keyed by
+        k): a resumed stream builds sample k without building the ones before it."""
+        doc_id, ids, starts, ends, plans = units
+        a_start, a_end, b_end, random_doc, frac, target_len = plans[k]
+        rng = doc_rng(self.seed, self.epoch, doc_id, 1, k)
+        a = ids[starts[a_start]:ends[a_end - 1]]
+        b = self._random_b(random_doc, frac, target_len - len(a)) if random_doc >= 0 else \
+            ids[starts[a_end]:ends[b_end - 1]]
+        a, b = truncate_pair(a, b, self.max_seq_len - 3, rng)  # room for [CLS] A [SEP] B [SEP]
+        sample = np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]]).astype(np.int64)
+        return (sample, rng.random((3, len(sample)), dtype=np.float32), doc_id, len(a) + 2,
+                int(random_doc >= 0)), k + 1
 
     def _draw_fn(self, shard, num_shards):
         """Uniform draw number n of a shard (which open document gives the next unit), made in
@@ -1070,7 +1075,7 @@ class BertPretrainStream(IterableDataset):
         """(ids, draws, doc ids, type_start, nsp label) of each sample of a shard, from `position` on."""
         if self.objective == "nsp":
             for ids, draws, doc_id, type_start, label in self._shard_units(
-                    shard_docs, position, draw, lambda units, k: (units[k], k + 1), len):
+                    shard_docs, position, draw, self._nsp_sample, lambda units: len(units[4])):
                 yield ids, draws, [doc_id], type_start, label
             return
         # mlm: a window of max_seq_len - 2 tokens is filled from a drawn document up to the window's
