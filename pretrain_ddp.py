@@ -365,15 +365,33 @@ def train_flops(config, batch):
     return 3 * (rows * width * (per_token + attention) + head)
 
 
+# Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32).
+# Matched by substring of the device name, most specific first ("L40S" before "L40" before "L4",
+# "H100 PCIe" before "H100"); an unknown GPU gets no MFU rather than a wrong one.
+GPU_PEAKS = {"B200": (2250e12, 1100e12, 75e12), "H200": (989e12, 494e12, 67e12), "GH200": (989e12, 494e12, 67e12),
+             "H100 PCIe": (756e12, 378e12, 51e12), "H100 NVL": (835e12, 418e12, 60e12),
+             "H100": (989e12, 494e12, 67e12), "A100": (312e12, 156e12, 19.5e12), "A10G": (70e12, 35e12, 31.2e12),
+             "A10": (125e12, 62.5e12, 31.2e12), "L40S": (362e12, 183e12, 91.6e12), "L40": (181e12, 90.5e12, 90.5e12),
+             "L4": (121e12, 60e12, 30.3e12), "RTX 4090": (165e12, 82.6e12, 82.6e12),
+             "RTX 3090": (71e12, 35.6e12, 35.6e12), "V100": (125e12, 15.7e12, 15.7e12), "T4": (65e12, 8.1e12, 8.1e12)}
+
+
+def gpu_peak(name, amp_dtype, tf32):
+    """The dense peak of the GPU called `name` for the math the run does, or None when unknown."""
+    for key in sorted(GPU_PEAKS, key=len, reverse=True):
+        if key in name:
+            return GPU_PEAKS[key][0 if amp_dtype is not None else 1 if tf32 else 2]
+    return None
+
+
 def peak_flops(device, amp_dtype):
     """Dense peak of the device, for MFU: a table for GPUs, a measured fp32 matmul on CPUs."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        half = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10": 125e12, "L4": 121e12, "L40": 181e12,
-                "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
-        single = {"H200": 67e12, "H100": 67e12, "A100": 19.5e12, "V100": 15.7e12, "T4": 8.1e12}
-        table = half if amp_dtype is not None else single
-        return next((v for k, v in table.items() if k in name), None)
+        peak = gpu_peak(name, amp_dtype, torch.get_float32_matmul_precision() != "highest")
+        if peak is None and GROUP["rank"] == 0:
+            print(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to GPU_PEAKS)", file=sys.stderr)
+        return peak
     a = torch.randn(2048, 2048, generator=torch.Generator())  # leaves the global RNG (dropout) alone
     best = float("inf")
     for _ in range(6):  # the best of a few: other processes on the machine only slow it down
@@ -1100,7 +1118,7 @@ def main(argv=None):
               f"{steps_per_hour * args.accum_steps:,.0f} => effective batches/hour {steps_per_hour:,.0f}")
         print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
               f"{eta_h:.2f} h; {tokens_run / max(elapsed, 1e-9):,.0f} tokens/s"
-              + (f", MFU {flops_run / max(elapsed, 1e-9) / (peak * world_size):.1%}" if peak else ""))
+              + (f", MFU {flops_run / max(elapsed, 1e-9) / (peak * world_size):.1%}" if peak else ", MFU n/a"))
         if overflow_skips:
             print(f"fp16: {overflow_skips} steps skipped by the GradScaler (gradients overflowed; the loss scale "
                   f"is now {scaler.get_scale():g})")

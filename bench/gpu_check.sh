@@ -15,14 +15,17 @@ RUNS=${RUNS:-/tmp/gpu_check_runs}
 STEPS=${STEPS:-60}        # optimizer steps per performance run (log every 10; the first 20 are warmup)
 BATCH=${BATCH:-64}        # micro-batch of the performance runs
 WORKERS=${WORKERS:-4}     # DataLoader workers of the performance runs
-BUDGET=${BUDGET:-420}     # seconds: a performance run that would start later is skipped (the whole stays < 8 min)
+BUDGET=${BUDGET:-470}     # seconds: a run starts only if its timeout ends inside this (the whole stays < 8 min)
 mkdir -p "$OUT" "$RUNS"
 LOG="$OUT/gpu_check.log"
+rm -f "$OUT/table.txt"
 exec > >(tee -a "$LOG") 2>&1
 T0=$(date +%s)
 RESULTS=()
 note() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
-record() { RESULTS+=("$1|$2"); note "$1: $2"; }
+# every row goes to the table file as soon as it is measured: a cut run keeps what it measured
+record() { RESULTS+=("$1|$2"); note "$1: $2"; printf '%-52s %s\n' "$1" "$2" >> "$OUT/table.txt"; }
+fits() { (( $(date +%s) - T0 + $1 <= BUDGET )); }  # does a run with this timeout end inside the budget?
 
 # --- environment: import first, install only if needed (the machine may have no network)
 note "machine"; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -97,7 +100,7 @@ else record "torchrun 1 rank, --amp, 2 workers, pinned (tiny)" FAIL; fi
 # --- 3. performance: BERT-base, seq 128; tokens/s and MFU averaged over the log intervals after step 20
 perf() {
     local name=$1 limit=$2; shift 2
-    if (( $(date +%s) - T0 > BUDGET )); then record "$name" "skipped (past the ${BUDGET} s budget)"; return; fi
+    if ! fits "$limit"; then record "$name" "skipped (its ${limit} s would end past the ${BUDGET} s budget)"; return; fi
     if train "$name" "$limit" python pretrain_ddp.py --model-size base --max-seq-len 128 --batch-size "$BATCH" \
             --num-workers "$WORKERS" --max-steps "$STEPS" --log-every 10 --amp "$@"; then
         record "$name" "$(python - "$OUT/$name.log" <<'EOF'
@@ -106,7 +109,8 @@ rows = [(int(m[1]), m[2]) for m in re.finditer(r"^step (\d+): (.*)$", open(sys.a
 def col(key):
     return [float(re.search(key + r" ([\d.e+-]+)", s)[1]) for step, s in rows if step > 20 and key in s]
 tps, mfu, wait = col("train/tokens_per_sec"), col("train/mfu"), col("train/data_wait")
-print(f"{statistics.median(tps):,.0f} tok/s, MFU {statistics.median(mfu):.1%}, data_wait {statistics.median(wait):.1%}"
+mfu_text = f"{statistics.median(mfu):.1%}" if mfu else "n/a (GPU not in GPU_PEAKS)"
+print(f"{statistics.median(tps):,.0f} tok/s, MFU {mfu_text}, data_wait {statistics.median(wait):.1%}"
       if tps else "no log interval after step 20")
 EOF
 )"
@@ -122,4 +126,4 @@ echo
 echo "gpu_check: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(( $(date +%s) - T0 )) s;" \
      "base: batch $BATCH x seq 128, $STEPS steps, medians of 10-step intervals after step 20"
 printf '%-52s %s\n' "check" "result"
-for r in "${RESULTS[@]}"; do printf '%-52s %s\n' "${r%%|*}" "${r#*|}"; done | tee "$OUT/table.txt"
+for r in "${RESULTS[@]}"; do printf '%-52s %s\n' "${r%%|*}" "${r#*|}"; done

@@ -328,3 +328,18 @@ def test_resize_resume_keeps_the_lr_plan(tmp_path, corpus, tok_dir):
     s = summary(out)
     assert len(lrs) > 20 and all(lr > 0 for lr in lrs), lrs
     assert lrs[-1] < 0.25 * max(lrs) and s["lr_plan_position"] > 0.75 * s["lr_plan"]["total"], (lrs, s)
+
+
+def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
+    """L40/L40S are not L4, H100 PCIe is not SXM, fp32 and TF32 have their own peaks, unknown is None."""
+    bf16, fp16 = torch.bfloat16, torch.float16
+    assert P.gpu_peak("NVIDIA L4", bf16, False) == 121e12
+    assert P.gpu_peak("NVIDIA L40", bf16, False) == 181e12
+    assert P.gpu_peak("NVIDIA L40S", fp16, False) == 362e12
+    assert P.gpu_peak("NVIDIA H100 PCIe", bf16, False) == 756e12
+    assert P.gpu_peak("NVIDIA H100 80GB HBM3", bf16, False) == 989e12
+    assert P.gpu_peak("NVIDIA A10G", bf16, False) == 70e12
+    assert P.gpu_peak("NVIDIA A100-SXM4-80GB", bf16, False) == 312e12
+    assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, True) == 156e12  # fp32 run, TF32 matmuls
+    assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, False) == 19.5e12  # fp32 run, full-precision matmuls
+    assert P.gpu_peak("Some Future GPU", bf16, False) is None
