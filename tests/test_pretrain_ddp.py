@@ -343,3 +343,22 @@ def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
     assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, True) == 156e12  # fp32 run, TF32 matmuls
     assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, False) == 19.5e12  # fp32 run, full-precision matmuls
     assert P.gpu_peak("Some Future GPU", bf16, False) is None
+
+
+def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir):
+    """fp32 checkpoint resumed with fp16 + GradScaler (a disabled scaler saved {}: loading it into an
+    enabled one used to raise), and that fp16 checkpoint resumed in fp32: both run on, each says so."""
+    out = str(tmp_path / "run")
+    helper = [sys.executable, os.path.join(ROOT, "tests", "_fp16_cpu.py"), "1024"]
+    args = ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out, *FAST,
+            "--save-every", "2", "--num-workers", "0"]
+    fp32 = run([*args, "--max-steps", "2"])
+    assert fp32.returncode == 0, fp32.stderr[-3000:]
+    fp16 = subprocess.run([*helper, *args, "--max-steps", "4"], capture_output=True, text=True, timeout=240,
+                          env=env(), cwd=ROOT)
+    assert fp16.returncode == 0, fp16.stderr[-3000:]
+    assert "resumed from" in fp16.stdout and "a fresh GradScaler starts" in fp16.stderr
+    assert logged(fp16.stdout, "train/loss_scale")  # fp16 really ran
+    back = run([*args, "--max-steps", "6"])
+    assert back.returncode == 0 and "resumed from" in back.stdout, back.stderr[-3000:]
+    assert summary(out)["steps"] == 6
