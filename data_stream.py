@@ -39,6 +39,7 @@ import json
 import mmap
 import os
 import re
+import resource
 import shutil
 import sys
 import sysconfig
@@ -56,7 +57,7 @@ MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
 ROW_GROUP_CACHE_BYTES = 1 << 27  # decoded parquet row groups a process keeps (cold reads only)
-PIECE_TOKENS = 1 << 20      # the token cache is written in pieces of about this many tokens
+PIECE_TOKENS = 1 << 23      # the token cache is written in pieces of about this many tokens (16 MB)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 INDEX_VERSION, CACHE_VERSION = 2, 1  # bump when the index or cache layout changes
 
@@ -175,8 +176,11 @@ CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".ndjson", ".ndjson
 
 def _dataset_split(folder, split):
     """A `save_to_disk` DatasetDict folder -> the name of its split to read (eval: validation or test)."""
-    with open(os.path.join(folder, "dataset_dict.json")) as f:
-        splits = json.load(f).get("splits", [])
+    try:
+        with open(os.path.join(folder, "dataset_dict.json")) as f:
+            splits = json.load(f).get("splits", [])
+    except (OSError, ValueError, AttributeError) as e:
+        raise CorpusError(f"{os.path.join(folder, 'dataset_dict.json')} does not read as a DatasetDict ({e})") from None
     for name in ("train",) if split == "train" else ("validation", "test", split):
         if name in splits:
             return name
@@ -257,7 +261,7 @@ def _index_text(path, max_doc_bytes):
                 k = len(line) - 1  # step back to the start of a multi-byte UTF-8 character
                 while k > 0 and (line[k] & 0xC0) == 0x80:
                     k -= 1
-                if line[k] >= 0xC0:
+                if k > 0 and line[k] >= 0xC0:  # (k == 0: no character starts in the piece; keep it whole)
                     line = line[:k]
                     f.seek(pos + k)
             if line.strip():
@@ -365,6 +369,8 @@ def _index_table(path, fmt, text_field, max_doc_bytes):
         empty += len(length) - len(keep)
         groups.append(np.full(len(keep), group, np.int64)), rows.append(keep)
         lengths.append(pc.fill_null(pc.utf8_length(column), 0).to_numpy()[keep])
+    if not columns:  # a parquet file with no row group: an empty shard of an export
+        groups, rows, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     record, part, size = _text_parts(np.concatenate(lengths), max_doc_bytes)
     return {"start": np.concatenate(groups)[record], "end": np.concatenate(rows).astype(np.int64)[record],
             "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
@@ -378,12 +384,15 @@ def _index_file(path, fmt, text_field, max_doc_bytes, name):
     cached = os.path.join(CACHE_DIR, "index", f"{key}.npz")
     with _machine_lock(cached + ".lock"):
         if not os.path.exists(cached):
-            if fmt == "text":
-                index = _index_text(path, max_doc_bytes)
-            elif fmt == "jsonl":
-                index = _index_jsonl(path, text_field, max_doc_bytes, name)
-            else:
-                index = _index_table(path, fmt, text_field, max_doc_bytes)
+            try:
+                if fmt == "text":
+                    index = _index_text(path, max_doc_bytes)
+                elif fmt == "jsonl":
+                    index = _index_jsonl(path, text_field, max_doc_bytes, name)
+                else:
+                    index = _index_table(path, fmt, text_field, max_doc_bytes)
+            except OSError as e:
+                raise CorpusError(f"corpus file {name} cannot be read ({e.strerror or e})") from None
             tmp = f"{cached}.tmp{os.getpid()}.npz"
             np.savez(tmp, **index)
             os.replace(tmp, cached)
@@ -634,6 +643,10 @@ class TokenCache:
         self.where, self.pieces = np.full((num_docs, 2), -1, np.int64), []
         if not os.path.isdir(self.dir):
             return
+        # every mapped piece holds a file descriptor: allow as many as the system lets this process have
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         for name in sorted(os.listdir(self.dir)):
             if name.endswith(".piece"):
                 self._add_piece(os.path.join(self.dir, name))
@@ -647,10 +660,19 @@ class TokenCache:
             dtype = np.dtype(header["dtype"])
             if os.path.getsize(path) != offset + 8 * (2 * n_docs + 1 + n_sents + 1) + dtype.itemsize * n_tokens:
                 raise ValueError("truncated")
+        except FileNotFoundError:  # removed by another process since the listing
+            return
+        except OSError as e:  # e.g. out of file descriptors: the piece may be fine; leave it
+            warnings.warn(f"token cache: cannot read {path} ({e}); its documents are tokenized", stacklevel=3)
+            return
+        except (ValueError, KeyError, TypeError):
+            self._drop(path, "unreadable or truncated")
+            return
+        try:
             with open(path, "rb") as f:  # plain arrays over the mapping: numpy's memmap slices are slow
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError, KeyError, TypeError):
-            self._drop(path, "unreadable or truncated")
+        except OSError as e:  # e.g. out of file descriptors: the piece is fine, this process goes without it
+            warnings.warn(f"token cache: cannot map {path} ({e}); its documents are tokenized", stacklevel=3)
             return
         views, pos = {}, offset
         for name, count, dt in (("docs", n_docs, np.int64), ("doc_sents", n_docs + 1, np.int64),
@@ -933,7 +955,7 @@ class BertPretrainStream(IterableDataset):
     def load_state_dict(self, state, num_workers=None):
         """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
         written with) continues after what `state` says was consumed, also when the number of
-        shards (ranks x workers) changed."""
+        shards (ranks x workers) changed: then `state` must be merge_states() of every rank's."""
         state = {"exclude": [], "partial": {}, **json.loads(json.dumps(state))}
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
@@ -1237,6 +1259,8 @@ def build_cache(stream):
             first += len(doc)
         tokens += len(ids)
     stream.flush_cache()
+    if not stream.cache.writable:
+        raise CorpusError(f"--build-cache: nothing could be written to {stream.cache.dir}")
     seconds = time.perf_counter() - t0
     print(f"token cache: {len(todo):,} documents tokenized ({stream.num_docs - len(todo):,} were cached), "
           f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {stream.cache.dir}")

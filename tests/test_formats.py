@@ -326,3 +326,26 @@ def test_what_a_real_folder_holds(tmp_path, tokenizer):
         f.write('{"text": "ok ."}\n{"text": oops}\n')
     with pytest.raises(ds.CorpusError, match=re.escape(f"{bad}, line 2")):
         ds.Corpus(str(bad))
+
+
+def test_edge_files_read_or_fail_in_one_line(tmp_path):
+    """A parquet file with no row group is an empty shard; a broken dataset_dict.json is a
+    CorpusError; a 64 KB run of UTF-8 continuation bytes is indexed (it used to loop forever)."""
+    import signal
+    ok = write_text(tmp_path / "ok.txt", [[f"{marker(0)} .", "river stone ."]])
+    empty = str(tmp_path / "empty.parquet")
+    pq.ParquetWriter(empty, pa.schema([("text", pa.string())])).close()
+    assert ds.Corpus(f"{ok},{empty}", sentences=False).num_docs == 1
+    broken = tmp_path / "dd"
+    broken.mkdir()
+    (broken / "dataset_dict.json").write_text('{"splits": ["train"')
+    with pytest.raises(ds.CorpusError, match="dataset_dict.json does not read"):
+        ds.Corpus(str(broken))
+    odd = tmp_path / "odd.txt"
+    odd.write_bytes(b"hello world .\n\n" + b"\xc3" + b"\xa9" * 70000 + b"\n")
+    signal.alarm(30)  # a hang fails the test instead of the suite
+    try:
+        with pytest.warns(UserWarning, match="not UTF-8"):
+            assert ds.Corpus(str(odd)).num_docs >= 2
+    finally:
+        signal.alarm(0)
