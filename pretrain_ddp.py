@@ -329,7 +329,7 @@ class Pretraining(torch.nn.Module):
         super().__init__()
         self.hf = hf_model
 
-    def forward(self, input_ids, token_type_ids, attention_mask, masked_pos, masked_targets,
+    def forward(self, input_ids, token_type_ids, masked_pos, masked_targets, attention_mask=None,
                 next_sentence_label=None):
         out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
         hidden = out.last_hidden_state.flatten(0, 1).index_select(0, masked_pos)
@@ -408,7 +408,12 @@ def prepare(batch, device):
     labels = batch.pop("labels").flatten()
     masked_pos = (labels != -100).nonzero().squeeze(1)
     batch["masked_pos"], batch["masked_targets"] = masked_pos, labels[masked_pos]
-    num_tokens = int(batch["attention_mask"].sum())
+    mask = batch.pop("attention_mask")
+    num_tokens = int(mask.sum())
+    # transformers reads a 2-D mask's `.all()` back from the device on every forward (a host sync):
+    # no mask when nothing is padded (packed mlm), else a 4-D boolean one, which it takes as given.
+    if num_tokens < mask.numel():
+        batch["attention_mask"] = mask.bool()[:, None, None, :]
     on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cursor"}
     return on_device, len(masked_pos), num_tokens
 

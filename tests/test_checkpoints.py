@@ -222,9 +222,9 @@ def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
     batch, _, _ = P.prepare(next(iter(stream)), torch.device("cpu"))
     with torch.no_grad():
         full = mlm(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                   attention_mask=batch["attention_mask"]).logits
+                   attention_mask=batch.get("attention_mask")).logits
         hidden = trained.hf.bert(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                                 attention_mask=batch["attention_mask"]).last_hidden_state
+                                 attention_mask=batch.get("attention_mask")).last_hidden_state
         sparse = trained.hf.cls.predictions(hidden.flatten(0, 1)[batch["masked_pos"]])
         sums = trained(**batch)
     assert torch.allclose(full.flatten(0, 1)[batch["masked_pos"]], sparse, atol=1e-5)

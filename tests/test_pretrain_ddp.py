@@ -362,3 +362,47 @@ def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir):
     back = run([*args, "--max-steps", "6"])
     assert back.returncode == 0 and "resumed from" in back.stdout, back.stderr[-3000:]
     assert summary(out)["steps"] == 6
+
+
+def test_no_host_read_in_a_forward_and_backward():
+    """prepare() passes no mask for an unpadded batch and a 4-D boolean one for a padded batch: a
+    forward + backward then reads nothing back from the device (a 2-D mask costs one read), and
+    the results are those of the 2-D mask."""
+    torch.manual_seed(0)
+    model = P.Pretraining(P.build_model("tiny", "nsp", 300, 32, 0.0, 0))
+    ids = torch.randint(5, 300, (4, 16))
+    reads, originals = [0], {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist")}
+
+    def spy(name):
+        def read(self, *a, **k):
+            reads[0] += 1
+            return originals[name](self, *a, **k)
+        return read
+
+    def forward_backward(batch):
+        for name in originals:
+            setattr(torch.Tensor, name, spy(name))
+        reads[0] = 0
+        try:
+            out = model(**batch)
+            out.sum().backward()
+        finally:
+            for name, f in originals.items():
+                setattr(torch.Tensor, name, f)
+        return out.detach(), reads[0]
+
+    for padded in (False, True):
+        mask = torch.ones(4, 16, dtype=torch.long)
+        if padded:
+            mask[1, 10:], mask[3, 5:] = 0, 0
+        labels = torch.full((4, 16), -100)
+        labels[0, 1], labels[1, 4], labels[2, 2], labels[3, 3] = 7, 8, 9, 10
+        raw = {"input_ids": ids * mask, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask,
+               "labels": labels, "next_sentence_label": torch.tensor([0, 1, 0, 1])}
+        batch, _, n_tokens = P.prepare(dict(raw), torch.device("cpu"))
+        assert n_tokens == int(mask.sum()) and ("attention_mask" in batch) == padded
+        out, n_reads = forward_backward(batch)
+        assert n_reads == 0, (padded, n_reads)
+        plain = {**batch, "attention_mask": mask}
+        reference, plain_reads = forward_backward(plain)
+        assert plain_reads >= 1 and torch.allclose(out, reference, atol=1e-5), (out, reference)
