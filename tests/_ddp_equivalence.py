@@ -8,7 +8,6 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pretrain_ddp as P  # noqa: E402
@@ -51,7 +50,8 @@ for clip in (0.0, 0.5):
     torch.manual_seed(0)
     model = P.Pretraining(P.build_model("tiny", "nsp", VOCAB, WIDTH, 0.0, 0))
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
-    run(DDP(model), world, lambda everything: everything[rank * ACCUM:(rank + 1) * ACCUM], clip)
+    ddp = P.wrap_ddp(model, torch.device("cpu"))  # the trainer's DDP settings
+    run(ddp, world, lambda everything: everything[rank * ACCUM:(rank + 1) * ACCUM], clip)
     if rank == 0:
         def one_batch(everything):
             return [{k: torch.cat([b[k] for b in everything]) for k in everything[0]}]
