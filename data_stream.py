@@ -416,7 +416,7 @@ class Corpus:
                  sentences=True, language="en"):
         if max_doc_bytes < 1024:
             raise CorpusError(f"--max-doc-bytes must be at least 1024, not {max_doc_bytes}")
-        self.spec, self.text_field, self.max_doc_bytes = spec, text_field, max_doc_bytes
+        self.text_field, self.max_doc_bytes = text_field, max_doc_bytes
         self.sentences, self.language = sentences, language
         given = resolve_corpus(spec, split)
         self.formats = [file_format(p) for p in given]
@@ -977,15 +977,15 @@ class BertPretrainStream(IterableDataset):
         self._consumed = json.loads(json.dumps(state)) if state["num_shards"] else None
 
     # --- documents: token ids, from the cache or tokenized now (worker process)
-    def document(self, doc_id, keep=True):
-        """(ids, sentence bounds) of a document; `keep`: store it in the token cache when tokenized."""
+    def document(self, doc_id):
+        """(ids, sentence bounds) of a document, from the token cache or tokenized (and cached) now."""
         if self.cache is not None and self.cache.where is None:
             self.cache.refresh(self.num_docs)
         hit = self.cache.get(doc_id) if self.cache is not None else None
         if hit is not None:
             return hit
         ids, bounds = tokenize_lines(self.tokenizer, self.corpus.read(doc_id))
-        if keep and self.cache is not None:
+        if self.cache is not None:
             self.cache.add(doc_id, ids, bounds)
         return ids, bounds
 
@@ -1215,7 +1215,8 @@ def add_data_args(parser):
                         help="documents each DataLoader worker keeps open and draws samples from (the shuffle); "
                              "worker memory is about this x --max-doc-bytes x 4")
     parser.add_argument("--max-doc-bytes", type=int, default=MAX_DOC_BYTES,
-                        help="longer documents (books) are read as parts of this size, each its own document")
+                        help="longer documents (books) are read as parts of about this size (characters for "
+                             "jsonl/parquet/arrow records), each its own document")
     parser.add_argument("--token-cache", default="auto",
                         help=f"where token ids are cached after the first read: 'auto' ({CACHE_DIR}/tokens), "
                              "a directory, or 'none'")
