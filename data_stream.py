@@ -1213,7 +1213,7 @@ def add_data_args(parser):
                         help="mask all WordPiece pieces of a chosen word together (BERT's whole-word masking)")
     parser.add_argument("--shuffle-docs", type=int, default=SHUFFLE_DOCS,
                         help="documents each DataLoader worker keeps open and draws samples from (the shuffle); "
-                             "worker memory is about this x --max-doc-bytes x 4")
+                             "worker memory is at most about this x --max-doc-bytes x 5")
     parser.add_argument("--max-doc-bytes", type=int, default=MAX_DOC_BYTES,
                         help="longer documents (books) are read as parts of about this size (characters for "
                              "jsonl/parquet/arrow records), each its own document")

@@ -351,9 +351,9 @@ class Pretraining(torch.nn.Module):
 
 
 def wrap_ddp(model, device):
-    """DDP without the per-forward broadcast of buffers (BERT's are constant position and
-    token-type ids) and with gradients kept in the all_reduce buckets (no copy per step)."""
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+    """DDP without the per-forward sync of buffers (BERT's are constant position and token-type
+    ids, synced once at the start) and with gradients kept in the all_reduce buckets (no copy)."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False,
                gradient_as_bucket_view=True)
 
 
