@@ -540,13 +540,13 @@ def open_corpus(spec, split="train", objective="nsp", text_field="text", max_doc
 
 # ============================================================================= 2. tokenizer
 
-def tokenizer_sample(corpus, sample_bytes, seed=0):
+def tokenizer_sample(corpus, sample_bytes):
     """Documents to train the tokenizer on: all, or a seeded random set spread over the whole
     corpus (every file) with about sample_bytes of text, in corpus order (files read forward)."""
     sizes = corpus.doc_bytes()
     if sizes.sum() <= sample_bytes:
         return np.arange(len(sizes))
-    order = np.random.default_rng([seed, 11]).permutation(len(sizes))
+    order = np.random.default_rng(11).permutation(len(sizes))
     take = int(np.searchsorted(np.cumsum(sizes[order]), sample_bytes)) + 1
     return np.sort(order[:take])
 
@@ -887,7 +887,6 @@ class BertPretrainStream(IterableDataset):
         if shuffle_docs < 1:
             raise CorpusError(f"--shuffle-docs must be at least 1, not {shuffle_docs}")
         self.corpus = open_corpus(corpus, split, objective, text_field, max_doc_bytes, language)
-        self.files, self.index = self.corpus.files, self.corpus.index
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, vocab_size)
         self.objective, self.max_seq_len, self.batch_size = objective, max_seq_len, batch_size
         self.mask_prob, self.short_seq_prob, self.seed, self.shuffle = mask_prob, short_seq_prob, seed, shuffle
@@ -1283,7 +1282,7 @@ def main(argv=None):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         stream = stream_from_args(args, rank=0, world_size=1)
-        print(f"corpus: {len(stream.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
+        print(f"corpus: {len(stream.corpus.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
         if args.build_cache:
             build_cache(stream)
         if args.show:

@@ -301,7 +301,7 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
                    f"lower --batch-size, --accum-steps or --world-size")
         note = f"0 optimizer steps in an epoch: {why}"
     return {"mode": mode, "mode_reason": reason, "seconds": round(time.perf_counter() - t0, 2),
-            "files": len(stream.files), "documents": num_docs, "bytes": total_bytes,
+            "files": len(stream.corpus.files), "documents": num_docs, "bytes": total_bytes,
             "objective": stream.objective, "max_seq_len": stream.max_seq_len, "world_size": world_size,
             "num_workers": num_workers, "num_shards": num_shards, "batch_size": batch_size,
             "accum_steps": accum_steps, "epochs": epochs, **result,
