@@ -55,7 +55,13 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default=None,
                    help="where checkpoints, the run's tokenizer, logs and summary.json go (written by rank 0 "
                         "only: other nodes need no access); default runs/<date-time>")
-    p.add_argument("--model-size", default="tiny", choices=MODEL_SIZES, help="BERT size (Turc et al. 2019 / BERT)")
+    p.add_argument("--model-size", default=None, choices=MODEL_SIZES,
+                   help="BERT size (Turc et al. 2019 / BERT); default tiny, or the size of --init-from's model")
+    p.add_argument("--init-from", default=None, metavar="PATH",
+                   help="start from these weights (new optimizer, LR plan, step 0): a checkpoint folder, a run's "
+                        "out dir (its latest checkpoint) or a Hugging Face BERT folder (config.json + weights); "
+                        "its tokenizer too, unless --tokenizer. For BERT's phase 2 (e.g. 128 -> 512 tokens) and "
+                        "continued pretraining. A run that has checkpoints of its own resumes those instead")
     p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
     p.add_argument("--batch-size", type=int, default=32, help="micro-batch per rank")
     p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
@@ -79,7 +85,9 @@ def parse_args(argv=None):
                    help="torch.compile the model (pays on GPUs; on CPUs it measured no gain for a long compile)")
     p.add_argument("--eval-every", type=int, default=200, help="evaluate every N optimizer steps (and at the end)")
     p.add_argument("--log-every", type=int, default=20, help="log training scalars every N optimizer steps")
-    p.add_argument("--log-to", default="stdout,tensorboard", help="comma list of stdout, tensorboard, mlflow")
+    p.add_argument("--log-to", default="stdout,tensorboard",
+                   help="comma list of stdout, tensorboard, mlflow (to $MLFLOW_TRACKING_URI, else ./mlflow.db), "
+                        "wandb (set by the WANDB_* variables; WANDB_MODE=offline needs no network)")
     p.add_argument("--save-every", type=int, default=500,
                    help="checkpoint every N optimizer steps (also at the end and on SIGTERM/SIGINT)")
     p.add_argument("--keep-last", type=int, default=3, help="complete checkpoints kept")
@@ -144,14 +152,19 @@ def validate(args):
     if args.max_seq_len < (5 if args.objective == "nsp" else 3):
         fail(f"--max-seq-len {args.max_seq_len} is too small for an {args.objective} sample "
              f"(at least {5 if args.objective == 'nsp' else 3})")
-    bad = set(args.log_to.split(",")) - {"stdout", "tensorboard", "mlflow"}
+    bad = set(args.log_to.split(",")) - {"stdout", "tensorboard", "mlflow", "wandb"}
     if bad:
-        fail(f"--log-to takes stdout, tensorboard, mlflow; not {', '.join(sorted(bad))}")
+        fail(f"--log-to takes stdout, tensorboard, mlflow, wandb; not {', '.join(sorted(bad))}")
     if "mlflow" in args.log_to.split(","):
         try:
             import mlflow  # noqa: F401
         except ImportError:
             fail("--log-to mlflow needs the mlflow package: pip install mlflow (or drop mlflow from --log-to)")
+    if "wandb" in args.log_to.split(","):
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            fail("--log-to wandb needs the wandb package: pip install wandb (or drop wandb from --log-to)")
 
 
 def setup_device(args):
@@ -357,14 +370,32 @@ def wrap_ddp(model, device):
                gradient_as_bucket_view=True)
 
 
-def build_model(model_size, objective, vocab_size, max_seq_len, dropout, pad_id):
-    from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
+def new_architecture(model_size, vocab_size, max_seq_len, pad_id):
+    """The BertConfig fields (no dropout) of a model built from scratch; runs keep them in their config."""
     layers, hidden, heads = MODEL_SIZES[model_size]
-    config = BertConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=4 * hidden,
-                        max_position_embeddings=max(512, max_seq_len), hidden_dropout_prob=dropout,
-                        attention_probs_dropout_prob=dropout, pad_token_id=pad_id)
+    return {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "intermediate_size": 4 * hidden,
+            "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
+
+
+def size_name(architecture):
+    """'tiny' .. 'large' for the sizes of MODEL_SIZES, else e.g. '6L-384H-12A'."""
+    a = architecture
+    shape = (a["num_hidden_layers"], a["hidden_size"], a["num_attention_heads"])
+    for name, size in MODEL_SIZES.items():
+        if size == shape and a.get("intermediate_size", 4 * a["hidden_size"]) == 4 * a["hidden_size"]:
+            return name
+    return "{}L-{}H-{}A".format(*shape)
+
+
+def model_from(architecture, objective, dropout):
+    from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
+    config = BertConfig(**{**architecture, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
     return (BertForPreTraining if objective == "nsp" else BertForMaskedLM)(config)
+
+
+def build_model(model_size, objective, vocab_size, max_seq_len, dropout, pad_id):
+    return model_from(new_architecture(model_size, vocab_size, max_seq_len, pad_id), objective, dropout)
 
 
 def train_flops(config, batch):
@@ -415,19 +446,37 @@ def peak_flops(device, amp_dtype):
 
 # ----------------------------------------------------------------------------- data
 
-def prepare(batch, device):
-    """Host-side work for one batch: masked positions found on the CPU (no device sync later)."""
+def sparse_targets(batch):
+    """The DataLoader's collate_fn, so it runs in the worker and its tensors are pinned with the
+    rest: masked positions and targets instead of labels, and the attention mask only where a
+    batch has padding. transformers reads a 2-D mask's `.all()` back from the device on every
+    forward (a host sync); no mask (packed mlm) or a 4-D boolean one it takes as given."""
     labels = batch.pop("labels").flatten()
     masked_pos = (labels != -100).nonzero().squeeze(1)
     batch["masked_pos"], batch["masked_targets"] = masked_pos, labels[masked_pos]
     mask = batch.pop("attention_mask")
-    num_tokens = int(mask.sum())
-    # transformers reads a 2-D mask's `.all()` back from the device on every forward (a host sync):
-    # no mask when nothing is padded (packed mlm), else a 4-D boolean one, which it takes as given.
-    if num_tokens < mask.numel():
+    batch["num_tokens"] = int(mask.sum())
+    if batch["num_tokens"] < mask.numel():
         batch["attention_mask"] = mask.bool()[:, None, None, :]
+    return batch
+
+
+# --compile: these sizes change from batch to batch. Marked dynamic, they are symbolic from the first
+# compile on: one graph (two: with and without a mask), not one per new size until dynamo's recompile
+# limit (8) sends the model back to eager.
+DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "attention_mask": (0, 3), "masked_pos": (0,),
+                "masked_targets": (0,), "next_sentence_label": (0,)}
+
+
+def prepare(batch, device, dynamic=False):
+    """A batch from the loader on the device (non-blocking: pinned on CUDA); returns it, its masked
+    and its non-pad token counts (host numbers: no device sync)."""
+    num_tokens = batch.pop("num_tokens")
     on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cursor"}
-    return on_device, len(masked_pos), num_tokens
+    for name, dims in DYNAMIC_DIMS.items() if dynamic else ():
+        for dim in dims if name in on_device else ():
+            torch._dynamo.maybe_mark_dynamic(on_device[name], dim)
+    return on_device, len(batch["masked_pos"]), num_tokens
 
 
 def quiet_worker(worker_id):
@@ -442,8 +491,9 @@ def make_loader(stream, num_workers, device):
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # Batches are built inside the workers (batch_size=None): one IPC message per batch.
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
-    return DataLoader(stream, batch_size=None, num_workers=num_workers, pin_memory=device.type == "cuda",
-                      prefetch_factor=4 if num_workers else None, worker_init_fn=quiet_worker,
+    return DataLoader(stream, batch_size=None, collate_fn=sparse_targets, num_workers=num_workers,
+                      pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
+                      worker_init_fn=quiet_worker,
                       generator=torch.Generator())
 
 
@@ -486,9 +536,12 @@ def replan(plan, pos, step, args, batch):
 
 # ----------------------------------------------------------------------------- logging
 
-def make_logger(log_to, out_dir, config):
-    """A function log(scalars, step) writing to each chosen sink, and a close() for the end."""
-    sinks, closers = [], []
+def make_logger(log_to, out_dir, config, tracker_runs):
+    """A function log(scalars, step) writing to each chosen sink, a close() for the end, and the run
+    ids of the experiment trackers, for the checkpoints: given the resumed checkpoint's, each tracker
+    continues its run. A tracker that fails (no server, no login, a server gone mid-run) is dropped
+    with one warning line: training goes on with the other sinks."""
+    sinks, closers, trackers, tracker_runs = [], [], {}, dict(tracker_runs)
     if "stdout" in log_to:
         sinks.append(lambda s, step: print(f"step {step}: " + ", ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()), flush=True))
@@ -498,19 +551,102 @@ def make_logger(log_to, out_dir, config):
         writer.add_text("config", json.dumps(config, indent=1))
         sinks.append(lambda s, step: [writer.add_scalar(k, v, step) for k, v in s.items()])
         closers.append(writer.close)
-    if "mlflow" in log_to:
-        import mlflow
-        mlflow.set_tracking_uri(f"file:{os.path.abspath('mlruns')}")
-        mlflow.start_run(run_name=os.path.basename(out_dir))
-        mlflow.log_params({k: str(v) for k, v in config.items()})
-        sinks.append(lambda s, step: mlflow.log_metrics(s, step=step))
-        closers.append(mlflow.end_run)
+    for name, start in (("mlflow", start_mlflow), ("wandb", start_wandb)):
+        if name in log_to:
+            try:
+                write, finish, tracker_runs[name] = start(out_dir, config, tracker_runs.get(name))
+                trackers[name] = (write, finish)
+            except Exception as e:  # whatever the tracker's client raises: it must not end the training
+                tracker_failed(name, e)
 
     def log(scalars, step):
         for sink in sinks:
             sink(scalars, step)
+        for name, (write, _) in list(trackers.items()):
+            try:
+                write(scalars, step)
+            except Exception as e:
+                tracker_failed(name, e)
+                del trackers[name]
 
-    return log, lambda: [close() for close in closers]
+    def close():
+        for close_sink in closers:
+            close_sink()
+        for name, (_, finish) in trackers.items():
+            try:
+                finish()
+            except Exception as e:
+                tracker_failed(name, e)
+
+    return log, close, tracker_runs
+
+
+def tracker_failed(name, error):
+    """One line for a tracker dropped, not its client's traceback: the run is worth more than its logs."""
+    message = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
+    if len(message) > 300:  # a client's wrapped errors: what was tried comes first, the cause last
+        message = f"{message[:140]} ... {message[-140:]}"
+    fix = {"mlflow": "check MLFLOW_TRACKING_URI", "wandb": "wandb login, or WANDB_MODE=offline"}[name]
+    print(f"warning: --log-to {name}: {message}; training goes on without {name} ({fix}, or drop it "
+          "from --log-to)", file=sys.stderr, flush=True)
+
+
+def start_mlflow(out_dir, config, run_id):
+    """(log, finish, run id) of the out dir's MLflow run; run_id: the resumed checkpoint's, continued.
+    MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME say where, as MLflow users expect; without them a
+    sqlite database in the working directory, MLflow's recommended local backend (its file store,
+    ./mlruns, is in maintenance mode and refuses to start)."""
+    # MLflow's defaults (a 120 s timeout, 7 retries with backoff from 2 s doubling) would stall training
+    # for many minutes on a server that does not answer; these give up within ~35 s (a refused
+    # connection: ~4 s). The user's values win.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    import mlflow
+    from mlflow.exceptions import MlflowException
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        mlflow.set_tracking_uri("sqlite:///" + os.path.abspath("mlflow.db"))
+    uri = mlflow.get_tracking_uri()
+    active = None
+    if run_id:
+        try:
+            active = mlflow.start_run(run_id=run_id)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise
+            print(f"warning: --log-to mlflow: the checkpoint's run {run_id} is not at {uri}; starting a new run",
+                  file=sys.stderr)
+    if active is None:
+        active = mlflow.start_run(run_name=os.path.basename(out_dir))
+    params, logged = {k: str(v) for k, v in config.items()}, active.data.params  # a resumed run has some
+    mlflow.log_params({k: v for k, v in params.items() if k not in logged})
+    # Params are write-once in MLflow: a value this resume changed (e.g. --max-steps) goes to a tag.
+    changed = {f"resumed/{k}": v for k, v in params.items() if k in logged and logged[k] != v}
+    if changed:
+        mlflow.set_tags(changed)
+    run_id, experiment = active.info.run_id, active.info.experiment_id
+    where = f"{uri}/#/experiments/{experiment}/runs/{run_id}" if uri.startswith("http") else \
+        f"mlflow ui --backend-store-uri {uri}"
+    print(f"mlflow: {'continuing' if logged else 'new'} run {run_id} (experiment {experiment}) at {uri}; "
+          f"open it with: {where}", flush=True)
+    return (lambda s, step: mlflow.log_metrics(s, step=step)), mlflow.end_run, run_id
+
+
+def start_wandb(out_dir, config, run_id):
+    """(log, finish, run id) of the out dir's W&B run; run_id: the resumed checkpoint's, continued.
+    The WANDB_* variables apply as W&B users expect (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline
+    for no network, ...); by default the run is named after the out dir and its files go in it."""
+    # wandb waits 90 s (+10) for a server that does not answer; training goes on after ~30 s. The user's value wins.
+    os.environ.setdefault("WANDB_INIT_TIMEOUT", "20")
+    import wandb
+    run = wandb.init(config=config, id=run_id, resume="allow" if run_id else None,
+                     name=None if os.environ.get("WANDB_NAME") else os.path.basename(out_dir),
+                     dir=None if os.environ.get("WANDB_DIR") else out_dir)
+    # Our step, not wandb's own: wandb drops a step below the run's last one, which is what a resume
+    # from a checkpoint older than the last log sends.
+    run.define_metric("step")
+    run.define_metric("*", step_metric="step")
+    return (lambda s, step: run.log({**s, "step": step})), run.finish, run.id
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -697,9 +833,9 @@ def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_w
     return progress, data_stream.BertPretrainStream.merge_states([r["data"] for r in ranks])
 
 
-def weights_checksum(model):
+def weights_checksum(state_dict):
     digest = hashlib.sha256()
-    for tensor in model.state_dict().values():
+    for tensor in state_dict.values():
         digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
@@ -734,17 +870,115 @@ def export_hf(hf_model, tokenizer, out_dir):
     os.rename(tmp, final)
 
 
+# ----------------------------------------------------------------------------- --init-from: weights only
+# BERT's phase 2 (the same model at 512 tokens) and continued pretraining (a domain corpus) start
+# from trained weights with a new optimizer, LR plan and step 0. The model takes the source's shape;
+# a head the source lacks (NSP after an mlm run, both after a bare BertModel) starts fresh, seeded,
+# so every rank that reads the source itself builds the same weights.
+HEADS = ("cls.", "bert.pooler.")
+
+
+def init_source(path):
+    """(kind, folder, its tokenizer folder or None) named by --init-from PATH; kind: checkpoint or hf."""
+    if os.path.isfile(os.path.join(path, "checkpoints", "latest")):  # a run's out dir
+        with open(os.path.join(path, "checkpoints", "latest")) as f:
+            path = os.path.join(path, "checkpoints", f.read().strip())
+    elif os.path.isfile(os.path.join(path, "hf", "config.json")):  # a run's out dir without checkpoints
+        path = os.path.join(path, "hf")
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        tokenizer = os.path.join(os.path.dirname(os.path.dirname(os.path.normpath(path))), "tokenizer")
+        return "checkpoint", path, tokenizer if os.path.isdir(tokenizer) else None
+    if os.path.isfile(os.path.join(path, "config.json")):
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                model_type = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError) as e:
+            fail(f"--init-from {path}: its config.json cannot be read ({e})")
+        if model_type != "bert":
+            fail(f"--init-from {path} holds a {model_type} model; this script trains BERT (model_type bert)")
+        has_tokenizer = any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "vocab.txt"))
+        return "hf", path, path if has_tokenizer else None
+    fail(f"--init-from {path} is not a checkpoint folder, a run's out dir or a Hugging Face BERT folder "
+         "(config.json + weights)")
+
+
+def load_init(kind, folder, objective, seed):
+    """The source's weights as this run's model holds them: (state_dict, architecture, notes)."""
+    from transformers import BertForMaskedLM, BertForPreTraining
+    from transformers.utils import logging as hf_logging
+    torch.manual_seed(seed)  # fresh heads: the same on every rank
+    if kind == "checkpoint":
+        loaded, problem = read_checkpoint(folder)
+        if loaded is None:
+            fail(f"--init-from {folder} cannot be used: {problem}")
+        before = loaded["meta"]["config"]
+        architecture = before.get("architecture") or new_architecture(
+            before["model_size"], before["vocab"], before["max_seq_len"], 0)  # written before architectures were kept
+        model = model_from(architecture, objective, 0.0)
+        missing, unexpected = model.load_state_dict(loaded["trainer.pt"]["model"], strict=False)
+    else:
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report: the notes below say what matters, in one line
+        hf_logging.disable_progress_bar()
+        try:
+            model, info = (BertForPreTraining if objective == "nsp" else BertForMaskedLM).from_pretrained(
+                folder, dtype=torch.float32, output_loading_info=True)
+        except (OSError, ValueError) as e:
+            fail(f"--init-from {folder} cannot be loaded: {str(e).strip().splitlines()[0]}")
+        finally:
+            hf_logging.set_verbosity(verbosity)
+        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+        keep = set(new_architecture("tiny", 1, 1, 0)) | {"hidden_act", "type_vocab_size", "layer_norm_eps",
+                                                          "initializer_range", "position_embedding_type"}
+        architecture = {k: v for k, v in model.config.to_dict().items() if k in keep}
+    body = sorted(k for k in missing if not k.startswith(HEADS))
+    if body:
+        fail(f"--init-from {folder} lacks {len(body)} weights of the BERT body (e.g. {body[0]}); is it a BERT model?")
+    notes = []
+    if any(k.startswith("cls.predictions.transform") for k in missing):
+        notes.append("the MLM head starts fresh (the source has none)")
+    if any(k.startswith(("cls.seq_relationship", "bert.pooler")) for k in missing):
+        notes.append("the NSP head starts fresh (the source trained without NSP)")
+    if any(k.startswith(("cls.seq_relationship", "pooler", "bert.pooler")) for k in unexpected):
+        notes.append("its NSP head is left out (--objective mlm)")
+    return model.state_dict(), architecture, notes
+
+
+def fetch_init(run, rank0_only):
+    """Collective: the --init-from weights on every rank. A rank that can read the source loads it
+    itself (checked against rank 0's checksum); if any rank cannot, rank 0 sends them to all."""
+    init = run["init"]
+    weights = rank0_only.get("init_weights")
+    if weights is None and os.path.exists(init["folder"]):
+        try:
+            weights = load_init(init["kind"], init["folder"], init["objective"], init["seed"])[0]
+        except USER_ERRORS:
+            weights = None
+        if weights is not None and weights_checksum(weights) != init["checksum"]:
+            weights = None  # another model under the same name on this node
+    if any(lacking for _, lacking in gather(weights is None)):
+        sent = from_rank0(weights if GROUP["rank"] == 0 else None)
+        weights = weights or sent
+    return weights
+
+
 # ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
 
 tokenizer_hash = data_stream.tokenizer_hash
 
 
-def run_tokenizer(args, out_dir, resumed, path):
+def run_tokenizer(args, out_dir, resumed, path, init_tokenizer):
     """Rank 0: the run's tokenizer, kept as <out>/tokenizer. WordPiece training differs from one
-    process to the next, so it happens once per run, here; a resume loads the kept one."""
+    process to the next, so it happens once per run, here; a resume loads the kept one, an
+    --init-from run the source's."""
     kept = os.path.join(out_dir, "tokenizer")
     if args.tokenizer:
         tokenizer, source = data_stream.get_tokenizer(args.tokenizer), f"--tokenizer {args.tokenizer}"
+        if init_tokenizer and tokenizer_hash(data_stream.get_tokenizer(init_tokenizer)) != tokenizer_hash(tokenizer):
+            fail(f"--tokenizer {args.tokenizer} is not the tokenizer of --init-from {args.init_from} "
+                 f"({init_tokenizer}), whose embeddings are that one's: drop --tokenizer")
+    elif init_tokenizer:
+        tokenizer, source = data_stream.get_tokenizer(init_tokenizer), f"--init-from's {init_tokenizer}"
     elif os.path.isdir(kept):
         tokenizer, source = data_stream.get_tokenizer(kept), kept
     else:
@@ -775,15 +1009,47 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
         for old in ("checkpoints", "tokenizer"):
             shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer = run_tokenizer(args, out_dir, resumed, path)
+    init, source = None, f"--model-size {args.model_size}"
+    if args.init_from and resumed is not None:
+        print(f"note: {out_dir} has checkpoints of its own: resuming them, not --init-from {args.init_from}",
+              file=sys.stderr)
+    elif args.init_from:
+        kind, folder, init_tokenizer = init_source(args.init_from)
+        if init_tokenizer is None and not args.tokenizer:
+            fail(f"--init-from {folder} has no tokenizer: give the one its model was trained with (--tokenizer DIR)")
+        weights, architecture, notes = load_init(kind, folder, args.objective, args.seed)
+        init = {"kind": kind, "folder": folder, "objective": args.objective, "seed": args.seed,
+                "checksum": weights_checksum(weights), "tokenizer": init_tokenizer}
+        source = f"--init-from {folder}"
+        rank0_only["init_weights"] = weights
+    tokenizer = run_tokenizer(args, out_dir, resumed, path, init and init["tokenizer"])
+    if resumed is not None:
+        before, source = resumed["meta"]["config"], f"the checkpoint {path}"
+        architecture = before.get("architecture") or new_architecture(  # written before architectures were kept
+            before["model_size"], before["vocab"], before["max_seq_len"], tokenizer.pad_token_id)
+    elif init is None:
+        architecture = new_architecture(args.model_size or "tiny", len(tokenizer), args.max_seq_len,
+                                        tokenizer.pad_token_id)
+    model_size = size_name(architecture)
+    if args.model_size not in (None, model_size):
+        fail(f"--model-size {args.model_size} differs from {source}: BERT-{model_size} "
+             f"({architecture['num_hidden_layers']} layers, {architecture['hidden_size']} hidden); drop --model-size")
+    if args.max_seq_len > architecture["max_position_embeddings"]:
+        fail(f"--max-seq-len {args.max_seq_len} exceeds the {architecture['max_position_embeddings']} positions of "
+             f"{source}'s model")
+    if len(tokenizer) > architecture["vocab_size"]:
+        fail(f"the tokenizer has {len(tokenizer)} tokens, the model of {source} embeds {architecture['vocab_size']}")
+    if init and notes:
+        print(f"note: {source}: {'; '.join(notes)}", file=sys.stderr)
     stream = make_stream(args, args.corpus, "train", tokenizer, args.seed, True)
     effective_batch = args.batch_size * args.accum_steps * world_size
     config = {**vars(args), "out_dir": out_dir, "world_size": world_size, "device": str(device),
+              "model_size": model_size, "architecture": architecture,
               "vocab": len(tokenizer), "tokenizer_path": os.path.join(out_dir, "tokenizer"),
               "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32",
               "effective_batch": effective_batch}
     run = {"out_dir": out_dir, "path": path, "sha256": resumed and resumed["sha256"], "corpus_changed": False,
-           "fingerprint": stream.fingerprint(), "tokenizer_hash": tokenizer_hash(tokenizer)}
+           "fingerprint": stream.fingerprint(), "tokenizer_hash": tokenizer_hash(tokenizer), "init": init}
     if resumed is None:
         plan, estimate = new_lr_plan(args, stream, world_size)
         run.update(plan=plan, plan_pos=0.0, estimate=estimate)
@@ -807,6 +1073,9 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
         plan, pos = meta["plan"], meta["plan_pos"]
         if (before["epochs"], before["max_steps"]) != (args.epochs, args.max_steps):
             new = replan(plan, pos, meta["step"], args, effective_batch)
+            if lr_factor(new, pos) == 0 and new["total"] > pos:
+                fail(f"cannot extend {path}: its LR had decayed to 0, so more steps would not train; start a new "
+                     f"plan from its weights: --init-from {out_dir} --out-dir ANOTHER_DIR")
             print(f"warning: --epochs/--max-steps {before['epochs']}/{before['max_steps']} -> {args.epochs}/"
                   f"{args.max_steps}: the LR plan now ends after {new['total']:.0f} planned steps, not "
                   f"{plan['total']:.0f}; the LR decays from its current value", file=sys.stderr)
@@ -867,6 +1136,15 @@ def load_run(args, run, rank0_only):
 
 # ----------------------------------------------------------------------------- training
 
+STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out (workers, first batches, compile)
+
+
+def rates(seconds, steps, tokens, flops, peak, world_size):
+    seconds = max(seconds, 1e-9)
+    return {"tokens_per_sec": tokens / seconds, "steps_per_hour": steps / seconds * 3600,
+            "mfu": flops / seconds / (peak * world_size) if peak else None}
+
+
 def train_step(model, optimizer, scaler, window, global_masked, global_samples, world_size, amp_ctx, clip, lr):
     """One optimizer step at learning rate lr over a window of micro-batches. Returns (loss sums,
     grad norm) on the device and whether fp16's GradScaler skipped the step (gradients overflowed).
@@ -901,17 +1179,17 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
 def evaluate(model, loader, device, amp_ctx, world_size, nsp):
     """MLM loss / perplexity / accuracy and NSP accuracy over the whole (sharded) eval set."""
     model.eval()
-    sums = torch.zeros(6, dtype=torch.float64, device=device)
+    sums, masked, samples = torch.zeros(4, dtype=torch.float64, device=device), 0, 0
     for batch in loader:
         batch, num_masked, _ = prepare(batch, device)
         with amp_ctx:
-            out = model(**batch).double()
-        sums += torch.stack([out[0], out[1], out.new_tensor(num_masked), out[2], out[3],
-                             out.new_tensor(len(batch["input_ids"]))])
+            sums += model(**batch).double()
+        masked, samples = masked + num_masked, samples + len(batch["input_ids"])  # host counts: no copy
+    sums = torch.cat([sums, torch.tensor([masked, samples], dtype=torch.float64, device=device)])
     if world_size > 1:
         dist.all_reduce(sums)
     model.train()
-    mlm_loss, mlm_correct, masked, nsp_loss, nsp_correct, samples = sums.tolist()
+    mlm_loss, mlm_correct, nsp_loss, nsp_correct, masked, samples = sums.tolist()
     if masked == 0:
         return {}
     metrics = {"eval/mlm_loss": mlm_loss / masked, "eval/perplexity": math.exp(min(mlm_loss / masked, 50)),
@@ -937,8 +1215,9 @@ def main(argv=None):
 
     # --- model, optimizer, the resumed state (loaded before the DDP wrap and verified on every rank)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    hf_model = build_model(args.model_size, args.objective, len(tokenizer), args.max_seq_len, args.dropout,
-                           tokenizer.pad_token_id)
+    hf_model = model_from(config["architecture"], args.objective, args.dropout)
+    if run["init"]:
+        hf_model.load_state_dict(fetch_init(run, rank0_only))
     raw_model = Pretraining(hf_model).to(device)
     decay = [p for n, p in raw_model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
     no_decay = [p for n, p in raw_model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
@@ -953,20 +1232,21 @@ def main(argv=None):
     progress, resume_data = restore(resumed, run["corpus_changed"], raw_model, optimizer, scaler, device,
                                     args.num_workers)
     step, epoch, samples_seen, tokens_seen, flops_done, unused_per_epoch = progress.values()
-    verify("the step and weights", (step, weights_checksum(raw_model)))
+    verify("the step and weights", (step, weights_checksum(raw_model.state_dict())))
     # Checkpoints and exports read raw_model.hf, so they never carry the compile wrapper's prefix.
     compiled = torch.compile(raw_model) if args.compile else raw_model
     model = wrap_ddp(compiled, device) if world_size > 1 else compiled
     step_in_plan = config["effective_batch"] / plan["batch"]  # 1 unless resumed on another world size
 
     # --- logging and the signals that stop every rank at the same step
-    log, close_log = (lambda s, step: None), (lambda: None)
+    log, close_log, tracker_runs = (lambda s, step: None), (lambda: None), {}
     if master:
-        log, close_log = make_logger(args.log_to.split(","), out_dir, config)
+        log, close_log, tracker_runs = make_logger(args.log_to.split(","), out_dir, config,
+                                                   resumed["meta"].get("tracker_runs", {}) if resumed else {})
         n_params = sum(p.numel() for p in raw_model.parameters())
         estimate = run["estimate"]
         print(f"config: {json.dumps(config)}")
-        print(f"model: BERT-{args.model_size} {args.objective}, {n_params / 1e6:.2f}M parameters; world size "
+        print(f"model: BERT-{config['model_size']} {args.objective}, {n_params / 1e6:.2f}M parameters; world size "
               f"{world_size} on {device.type}; effective batch {config['effective_batch']} "
               f"({args.batch_size} x {world_size} ranks x {args.accum_steps} accum)")
         print(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps "
@@ -974,6 +1254,9 @@ def main(argv=None):
                                                else ")"), flush=True)
         if run["path"]:
             print(f"resumed from {run['path']} at step {step}, epoch {epoch}", flush=True)
+        elif run["init"]:
+            print(f"initialised from {run['init']['folder']} (weights only: new optimizer and LR plan, step 0)",
+                  flush=True)
     stop_signal = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
@@ -1027,7 +1310,8 @@ def main(argv=None):
                     "tokens_seen": tokens_seen, "flops_done": flops_done, "unused_per_epoch": unused_per_epoch,
                     "world_size": world_size, "num_workers": args.num_workers, "config": config,
                     "plan": plan, "plan_pos": plan_pos, "estimate": run["estimate"],
-                    "tokenizer_hash": run["tokenizer_hash"], "fingerprint": run["fingerprint"]}
+                    "tokenizer_hash": run["tokenizer_hash"], "fingerprint": run["fingerprint"],
+                    "tracker_runs": tracker_runs}
             trainer = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict(),
                        "scaler": scaler.state_dict()}
             path = save_checkpoint(os.path.join(out_dir, "checkpoints"), step,
@@ -1041,6 +1325,7 @@ def main(argv=None):
                     lr=args.lr * lr_factor(plan, plan_pos))
     eval_metrics, train_loss, grad_norm = {}, float("nan"), None
     t_start, start = time.perf_counter(), (step, tokens_seen, flops_done)  # rates count this run only
+    marks, paused = {}, 0.0  # for the steady rates: (training clock, step, tokens, flops) after 1 and 5 steps
     stopped, last_eval_step, overflow_skips = False, None, 0
     step_limit = args.max_steps or math.inf  # else the epochs end the run (the plan is an estimate)
     while epoch < args.epochs and step < step_limit and not stopped:
@@ -1057,7 +1342,7 @@ def main(argv=None):
             cursors = []
             for raw in batches:
                 cursors.append(raw.pop("cursor"))
-                batch, n_masked, n_tokens = prepare(raw, device)
+                batch, n_masked, n_tokens = prepare(raw, device, dynamic=args.compile)
                 window.append(batch)
                 masked, samples = masked + n_masked, samples + len(batch["input_ids"])
                 tokens, flops = tokens + n_tokens, flops + train_flops(hf_model.config, batch)
@@ -1089,6 +1374,9 @@ def main(argv=None):
             step, plan_pos = step + 1, plan_pos + step_in_plan
             if step % args.log_every == 0:
                 train_loss = log_interval(step, epoch, grad_norm)
+            if step - start[0] in (1, STEADY_AFTER):
+                marks[step - start[0]] = (time.perf_counter() - paused, step, tokens_seen, flops_done)
+            t_pause = time.perf_counter()
             if step % args.save_every == 0:
                 checkpoint()
             if args.export_every and step % args.export_every == 0 and master:
@@ -1098,6 +1386,7 @@ def main(argv=None):
                                         amp_ctx, world_size, args.objective == "nsp")
                 log(eval_metrics, step)
                 last_eval_step = step
+            paused += time.perf_counter() - t_pause
         if data_ended:
             # The epoch ended for all ranks at the same step; count what each rank had to leave.
             left = sum(len(b["input_ids"]) for b in window) + sum(len(b["input_ids"]) for b in batches)
@@ -1110,7 +1399,7 @@ def main(argv=None):
         del batches  # end the workers now, not at interpreter exit
 
     # --- final eval, the report, summary.json
-    elapsed = time.perf_counter() - t_start
+    elapsed, train_clock = time.perf_counter() - t_start, time.perf_counter() - paused
     if interval["sums"] is not None:  # steps since the last log
         train_loss = log_interval(step, epoch, grad_norm)
     if stopped and master:
@@ -1123,27 +1412,34 @@ def main(argv=None):
         if not eval_metrics and master:
             print("warning: the eval set produced no masked tokens; eval skipped", file=sys.stderr)
     if master:
-        total_steps = round(plan["total"])
-        steps_run, tokens_run, flops_run = step - start[0], tokens_seen - start[1], flops_done - start[2]
-        steps_per_hour = steps_run / max(elapsed, 1e-9) * 3600
-        eta_h = total_steps / steps_per_hour if steps_per_hour else float("nan")
-        effective = config["effective_batch"]
+        total_steps, effective = round(plan["total"]), config["effective_batch"]
+        overall = rates(elapsed, step - start[0], tokens_seen - start[1], flops_done - start[2], peak, world_size)
+        # Steady: after the first STEADY_AFTER steps of this run (1 in a run under 2 x STEADY_AFTER steps),
+        # without the time spent in eval, checkpoints and exports.
+        mark = marks.get(STEADY_AFTER if step - start[0] >= 2 * STEADY_AFTER else 1)
+        steady = rates(train_clock - mark[0], step - mark[1], tokens_seen - mark[2], flops_done - mark[3], peak,
+                       world_size) if mark and step > mark[1] else overall
+        eta_h = total_steps / steady["steps_per_hour"] if steady["steps_per_hour"] else float("nan")
         print(f"per-rank batch {args.batch_size} x {world_size} ranks, accumulation {args.accum_steps}, "
               f"effective batch {effective}, max seq len {args.max_seq_len}")
-        print(f"iterations {steps_run}, time taken {elapsed:.1f} s, micro-batches/hour "
-              f"{steps_per_hour * args.accum_steps:,.0f} => effective batches/hour {steps_per_hour:,.0f}")
+        print(f"iterations {step - start[0]}, time taken {elapsed:.1f} s; steady rates "
+              + (f"from step {mark[1]} on" if steady is not overall else "(too few steps: the overall ones)")
+              + f", without eval and saves: micro-batches/hour {steady['steps_per_hour'] * args.accum_steps:,.0f} "
+              f"=> effective batches/hour {steady['steps_per_hour']:,.0f}")
+        mfu = f"{steady['mfu']:.1%}" if steady["mfu"] is not None else "n/a"
         print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
-              f"{eta_h:.2f} h; {tokens_run / max(elapsed, 1e-9):,.0f} tokens/s"
-              + (f", MFU {flops_run / max(elapsed, 1e-9) / (peak * world_size):.1%}" if peak else ", MFU n/a"))
+              f"{eta_h:.2f} h; {steady['tokens_per_sec']:,.0f} tokens/s, MFU {mfu} "
+              f"(overall, start-up included: {overall['tokens_per_sec']:,.0f} tokens/s)")
         if overflow_skips:
             print(f"fp16: {overflow_skips} steps skipped by the GradScaler (gradients overflowed; the loss scale "
                   f"is now {scaler.get_scale():g})")
         summary = {"steps": step, "planned_steps": total_steps, "epochs_done": epoch,
                    "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,
-                   "samples_seen": samples_seen,
-                   "tokens_seen": tokens_seen, "tokens_per_sec": tokens_run / max(elapsed, 1e-9),
+                   "samples_seen": samples_seen, "tokens_seen": tokens_seen,
+                   **steady, "steady_from_step": mark[1] if steady is not overall else None,
+                   **{f"{k}_overall": v for k, v in overall.items()},
                    "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
-                   "steps_per_hour": steps_per_hour, "unused_samples_per_epoch": unused_per_epoch,
+                   "unused_samples_per_epoch": unused_per_epoch,
                    "stopped_by_signal": stopped, "fp16_overflow_skips": overflow_skips, "estimate": run["estimate"],
                    "lr_plan": plan, "lr_plan_position": plan_pos}
         with open(os.path.join(out_dir, "summary.json"), "w") as f:

@@ -55,7 +55,7 @@ for _ in range(args.repeats):
     dist.barrier()
     wire.append(time.perf_counter() - t0)
 t0 = time.perf_counter()
-P.weights_checksum(model)
+P.weights_checksum(model.state_dict())
 checksum_s = time.perf_counter() - t0
 if rank == 0:
     n_params = sum(p_.numel() for p_ in model.parameters())

@@ -9,9 +9,10 @@ The four configurations of the original FARM speed measurement, on whatever hard
 (c) DDP, --amp, 2 DataLoader workers per rank
 (d) DDP, 2 workers per rank, no --amp
 Each row is one pretrain_ddp.py run; its summary.json gives the iterations, the time taken
-(the training loop only: startup excluded, the first steps and the DataLoader start included)
-and steps/hour. Projected total = the reference job (500k steps at effective batch 945, i.e.
-500000 x 945 samples) at this run's samples/hour: 500000 * 945 / effective batch / steps per hour.
+(the whole training loop: the DataLoader start and the first steps included) and the steady
+steps/hour (after the first 5 steps, without eval and saves; `steady_from_step`). Projected
+total = the reference job (500k steps at effective batch 945, i.e. 500000 x 945 samples) at
+this run's samples/hour: 500000 * 945 / effective batch / steps per hour.
 """
 
 import argparse
@@ -80,7 +81,8 @@ def main():
         elif amp:
             notes.append(f"{label}: --amp trained in {amp_dtype} (this CPU reports native bf16)")
         print(rows[-1], flush=True)
-    print(f"\nBERT-{args.model_size}, {args.steps} optimizer steps per row; reference job: 500k steps x 945 samples")
+    print(f"\nBERT-{args.model_size}, {args.steps} optimizer steps per row; steps/hour: steady (summary.json); "
+          "reference job: 500k steps x 945 samples")
     print("| config | batch size x ranks | accumulation | effective batch | max seq len | iterations | time taken "
           "| steps (micro-batches)/hour => effective batches/hour | projected total (500k x 945 samples) | dtype |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")

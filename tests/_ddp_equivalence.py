@@ -39,7 +39,7 @@ def run(model, world_size, windows_of_step, clip):
         everything = global_batches(step, ACCUM * dist.get_world_size())
         g_masked = sum(int((b["labels"] != -100).sum()) for b in everything)
         g_samples = sum(len(b["input_ids"]) for b in everything)
-        window = [P.prepare(dict(b), torch.device("cpu"))[0] for b in windows_of_step(everything)]
+        window = [P.prepare(P.sparse_targets(dict(b)), torch.device("cpu"))[0] for b in windows_of_step(everything)]
         P.train_step(model, opt, scaler, window, g_masked, g_samples, world_size,
                      contextlib.nullcontext(), clip=clip, lr=0.5)
 

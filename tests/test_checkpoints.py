@@ -147,8 +147,12 @@ def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
     assert rc == 2 and "max_seq_len (checkpoint 32, now 64)" in err and "Traceback" not in err
     rc, _, err = run_until([*base, "--resume", "none"])
     assert rc == 2 and "holds checkpoints" in err
-    # Another world size: a warning, then the rest of the run.
-    rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *base[1:], "--max-steps", "12"])
+    # The finished run's LR is 0: more steps would not train, an error says so and what to do instead.
+    rc, _, err = run_until([*base, "--max-steps", "12"])
+    assert rc == 2 and "its LR had decayed to 0" in err and f"--init-from {out}" in err, err[-3000:]
+    # Another world size, from step 8 (LR not yet 0): a warning, then the rest of the run.
+    rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *base[1:], "--max-steps", "12", "--resume",
+                                 os.path.join(out, "checkpoints", "step_000008")])
     assert rc == 0, err[-3000:]
     assert "no longer bit-exact" in err and summary(out)["steps"] == 12
     rc, stdout, err = run_until([*base, "--resume", "none", "--overwrite", "--max-steps", "3"])
@@ -219,7 +223,7 @@ def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
     trained.hf.load_state_dict(final_weights(out))
     trained.eval()
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=8, rank=0, world_size=1)
-    batch, _, _ = P.prepare(next(iter(stream)), torch.device("cpu"))
+    batch, _, _ = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
     with torch.no_grad():
         full = mlm(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                    attention_mask=batch.get("attention_mask")).logits
@@ -264,10 +268,10 @@ def test_rollback_then_auto_follows_the_rollback(tmp_path, corpus, tok_dir):
     # A complete checkpoint newer than `latest` (a crash between the rename and the pointer, or a copy
     # put back by hand) is not the timeline either: --resume auto takes the rollback's step 6, not 12.
     shutil.copytree(os.path.join(ckpts, "abandoned", "step_000012"), os.path.join(ckpts, "step_000012"))
-    rc, stdout, err = run_until([*base, "--max-steps", "8"])
+    rc, stdout, err = run_until([*base, "--max-steps", "6"])
     assert rc == 0 and f"resumed from {ckpts}/step_000006 at step 6" in stdout, err[-3000:]
     assert "step 12 are newer than the timeline resumed here (step 6)" in err
-    assert summary(out)["steps"] == 8
+    assert summary(out)["steps"] == 6
 
 
 def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, tok_dir):
@@ -284,17 +288,17 @@ def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, 
     data_stream.get_tokenizer(None, [write_corpus(tmp_path / "other.txt", 60, seed=7)], 300).save_pretrained(other_dir)
     kept = data_stream.get_tokenizer(os.path.join(out, "tokenizer"))
     other = data_stream.get_tokenizer(other_dir)
-    rc, _, err = run_until([*base, "--max-steps", "4", "--tokenizer", other_dir])
+    rc, _, err = run_until([*base, "--max-steps", "3", "--tokenizer", other_dir])
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
     assert f"it trained with tokenizer {P.tokenizer_hash(kept)}, this run's (--tokenizer {other_dir}) is " \
            f"{P.tokenizer_hash(other)}" in err
     with open(text, "a") as f:
         f.write("\na new document .\nwith two sentences .\n")
-    rc, _, err = run_until([*base, "--max-steps", "4"])
+    rc, _, err = run_until([*base, "--max-steps", "3"])
     assert rc == 2 and "the corpus changed" in err and "--allow-corpus-change" in err, err
-    rc, stdout, err = run_until([*base, "--max-steps", "4", "--allow-corpus-change"])
+    rc, stdout, err = run_until([*base, "--max-steps", "3", "--allow-corpus-change"])
     assert rc == 0 and "epoch 0 restarts on the new corpus" in err and "resumed from" in stdout, err[-3000:]
-    rc, stdout, err = run_until([*base, "--max-steps", "5"])  # the new corpus is the run's now
+    rc, stdout, err = run_until([*base, "--max-steps", "3"])  # the new corpus is the run's now
     assert rc == 0 and "resumed from" in stdout, err[-3000:]
 
 

@@ -89,7 +89,9 @@ def test_bf16_autocast_on_cpu_and_tensorboard(tmp_path, corpus, tok_dir):
     s = summary(out)
     assert s["steps"] == 6 and s["train_loss"] is not None and 0 < s["train_loss"] < 20
     assert set(s) >= {"steps", "epochs_done", "train_loss", "eval", "samples_seen", "tokens_seen",
-                      "tokens_per_sec", "world_size", "effective_batch", "planned_steps"}
+                      "tokens_per_sec", "world_size", "effective_batch", "planned_steps", "steps_per_hour", "mfu",
+                      "tokens_per_sec_overall", "steps_per_hour_overall", "mfu_overall", "steady_from_step"}
+    assert s["steady_from_step"] == 1  # a 6-step run: the steady rates leave out only the first step
     assert s["effective_batch"] == 4 and s["samples_seen"] == 24 and s["tokens_seen"] > 24 * 10
     assert 0 < s["eval"]["eval/mlm_accuracy"] <= 1 and "eval/nsp_accuracy" not in s["eval"]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -111,6 +113,19 @@ def test_default_corpus_loss_falls(tmp_path):
     s = summary(out)
     assert s["eval"]["eval/mlm_loss"] < losses[0] and 0.3 < s["eval"]["eval/nsp_accuracy"] < 1
     assert "effective batches/hour" in result.stdout and "estimated total time" in result.stdout
+
+
+def test_steady_rates_leave_out_the_start_and_the_evals(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", corpus, "--out-dir", out,
+                  "--max-steps", "12", "--num-workers", "0", *FAST[:-4], "--eval-every", "2"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = summary(out)
+    assert s["steady_from_step"] == 5 and "steady rates from step 5 on" in result.stdout
+    # six evals over the whole eval corpus are in the overall rates only
+    assert s["tokens_per_sec"] > 1.5 * s["tokens_per_sec_overall"]
+    assert s["steps_per_hour"] > 1.5 * s["steps_per_hour_overall"] and s["mfu"] > s["mfu_overall"] > 0
+    assert s["tokens_per_sec_overall"] * s["time_s"] == pytest.approx(s["tokens_seen"], rel=1e-6)
 
 
 def test_empty_eval_set_warns_and_skips(tmp_path, corpus, tok_dir):
@@ -198,7 +213,7 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
 
     import data_stream
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
-    batch, masked, _ = P.prepare(next(iter(stream)), torch.device("cpu"))
+    batch, masked, _ = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
     torch.manual_seed(0)
     model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.0, tokenizer.pad_token_id))
     before = copy.deepcopy(model.state_dict())
@@ -218,7 +233,7 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
     and clipped on the unscaled gradients: the same numbers."""
     import data_stream
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
-    batch, masked, _ = P.prepare(next(iter(stream)), torch.device("cpu"))
+    batch, masked, _ = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
     found = {}
     for loss_scale in (None, 2.0 ** 12):
         for clip in (0.0, 0.01):
@@ -352,14 +367,15 @@ def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir):
     helper = [sys.executable, os.path.join(ROOT, "tests", "_fp16_cpu.py"), "1024"]
     args = ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out, *FAST,
             "--save-every", "2", "--num-workers", "0"]
-    fp32 = run([*args, "--max-steps", "2"])
+    step = lambda n: ["--resume", os.path.join(out, "checkpoints", f"step_00000{n}")]  # noqa: E731
+    fp32 = run([*args, "--max-steps", "6"])  # a full plan: its LR is 0 at the end, so resume mid-way
     assert fp32.returncode == 0, fp32.stderr[-3000:]
-    fp16 = subprocess.run([*helper, *args, "--max-steps", "4"], capture_output=True, text=True, timeout=240,
-                          env=env(), cwd=ROOT)
+    fp16 = subprocess.run([*helper, *args, "--max-steps", "6", *step(2)], capture_output=True, text=True,
+                          timeout=240, env=env(), cwd=ROOT)
     assert fp16.returncode == 0, fp16.stderr[-3000:]
     assert "resumed from" in fp16.stdout and "a fresh GradScaler starts" in fp16.stderr
     assert logged(fp16.stdout, "train/loss_scale")  # fp16 really ran
-    back = run([*args, "--max-steps", "6"])
+    back = run([*args, "--max-steps", "6", *step(4)])
     assert back.returncode == 0 and "resumed from" in back.stdout, back.stderr[-3000:]
     assert summary(out)["steps"] == 6
 
@@ -399,10 +415,34 @@ def test_no_host_read_in_a_forward_and_backward():
         labels[0, 1], labels[1, 4], labels[2, 2], labels[3, 3] = 7, 8, 9, 10
         raw = {"input_ids": ids * mask, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask,
                "labels": labels, "next_sentence_label": torch.tensor([0, 1, 0, 1])}
-        batch, _, n_tokens = P.prepare(dict(raw), torch.device("cpu"))
+        batch, _, n_tokens = P.prepare(P.sparse_targets(dict(raw)), torch.device("cpu"))
         assert n_tokens == int(mask.sum()) and ("attention_mask" in batch) == padded
         out, n_reads = forward_backward(batch)
         assert n_reads == 0, (padded, n_reads)
         plain = {**batch, "attention_mask": mask}
         reference, plain_reads = forward_backward(plain)
         assert plain_reads >= 1 and torch.allclose(out, reference, atol=1e-5), (out, reference)
+
+
+def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
+    """--compile: rows (the last batches of an epoch), masked-token counts and a mask or none vary;
+    with the varying sizes marked dynamic dynamo compiles once per mask kind, never per size."""
+    import itertools
+
+    from torch._dynamo.testing import CompileCounter
+
+    import data_stream
+    torch._dynamo.reset()
+    counter = CompileCounter()  # a backend that counts the graphs dynamo hands it, and runs them eagerly
+    model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 64, 0.0, tokenizer.pad_token_id))
+    compiled = torch.compile(model, backend=counter)
+    kinds = []
+    for batch_size in (8, 5, 8, 3, 7, 2):
+        stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, rank=0,
+                                                world_size=1)
+        for raw in itertools.islice(stream, 2):
+            batch, masked, _ = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
+            compiled(**batch)[0].backward()
+            kinds.append((len(batch["input_ids"]), masked, "attention_mask" in batch))
+    assert len(set(kinds)) >= 9 and {mask for *_, mask in kinds} == {True, False}
+    assert counter.frame_count == 2  # without the marks: 3 here (dynamo's automatic dynamic after a recompile)

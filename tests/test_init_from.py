@@ -1,0 +1,126 @@
+"""--init-from: BERT's phase 2 and continued pretraining start from trained weights (weights only),
+take the source's tokenizer and shape, say in one line what does not fit, and resume their own
+checkpoints after a crash."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_checkpoints import crash_at, final_weights, run_until
+from test_multinode import ARGS, free_port, make_nodes, run_nodes, static
+from test_pretrain_ddp import SCRIPT, env, run, summary
+
+import data_stream
+import pretrain_ddp as P
+
+FAST = ["--batch-size", "4", "--log-every", "1", "--eval-every", "1000", "--log-to", "stdout", "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def phase1(corpus, tokenizer, tmp_path_factory):
+    """An mlm run at 32 tokens (its model has BERT's 512 positions), and its tokenizer folder."""
+    out = str(tmp_path_factory.mktemp("phase1") / "run")
+    tok = os.path.join(os.path.dirname(out), "tok")
+    tokenizer.save_pretrained(tok)
+    result = run(["--corpus", corpus, "--tokenizer", tok, "--out-dir", out, "--objective", "mlm", "--max-seq-len", "32",
+                  "--max-steps", "4", *FAST])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok_dir(phase1):
+    return os.path.join(os.path.dirname(phase1), "tok")
+
+
+def body(state):
+    """The weights a phase 2 takes over (the NSP head and pooler may start fresh)."""
+    return {k: v for k, v in state.items() if not k.startswith(("cls.seq_relationship", "bert.pooler"))}
+
+
+def test_phase2_takes_weights_and_tokenizer_then_resumes_its_own(tmp_path, corpus, phase1):
+    out = str(tmp_path / "phase2")
+    # lr 0: AdamW moves nothing, so the weights saved are what the run started from
+    cmd = [sys.executable, SCRIPT, "--corpus", corpus, "--init-from", phase1, "--objective", "nsp",
+           "--max-seq-len", "64", "--lr", "0", "--out-dir", out, "--max-steps", "3", "--save-every", "1", *FAST]
+    rc, stdout, stderr = run_until(cmd, crash_at(r"^step 2:"))  # SIGKILL, as a crash would
+    assert rc != 0 and "initialised from" in stdout and "step_000004" in stdout, stderr[-3000:]
+    assert "the NSP head starts fresh" in stderr
+    source, started = body(final_weights(phase1)), body(final_weights(out))
+    assert source.keys() == started.keys() and all(torch.equal(source[k], started[k]) for k in source)
+    assert set(final_weights(out)) > set(source)  # the NSP head is there, fresh
+    # its tokenizer is the source's (no --tokenizer given, none trained)
+    assert P.tokenizer_hash(data_stream.get_tokenizer(os.path.join(out, "tokenizer"))) == \
+        P.tokenizer_hash(data_stream.get_tokenizer(os.path.join(phase1, "tokenizer")))
+    # the same command again: it resumes its own checkpoint, not the source
+    rc, stdout, stderr = run_until(cmd)
+    assert rc == 0, stderr[-3000:]
+    assert f"resumed from {out}/checkpoints/step_00000" in stdout and "initialised" not in stdout
+    assert "has checkpoints of its own" in stderr
+    assert summary(out)["steps"] == 3  # a plan of its own from step 0, not the source's step 4
+
+
+def test_hugging_face_folders_and_what_does_not_fit(tmp_path, corpus, tok_dir, phase1):
+    from transformers import BertConfig, BertModel
+    # A Hugging Face BertModel of a shape not in MODEL_SIZES, without heads and without a tokenizer.
+    bare = str(tmp_path / "bare")
+    config = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                        intermediate_size=256, max_position_embeddings=128)
+    BertModel(config).save_pretrained(bare)
+    out = str(tmp_path / "from_bare")
+    result = run(["--corpus", corpus, "--init-from", bare, "--tokenizer", tok_dir, "--max-seq-len", "32",
+                  "--out-dir", out, "--max-steps", "1", *FAST])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "BERT-3L-64H-2A nsp" in result.stdout
+    assert "the MLM head starts fresh" in result.stderr and "the NSP head starts fresh" in result.stderr
+    assert "LOAD REPORT" not in result.stderr  # transformers' table is replaced by the one line
+    # The run's own Hugging Face export (config, weights, tokenizer) as an mlm source.
+    result = run(["--corpus", corpus, "--init-from", os.path.join(phase1, "hf"), "--objective", "mlm",
+                  "--max-seq-len", "32", "--out-dir", str(tmp_path / "from_hf"), "--max-steps", "1", *FAST])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "starts fresh" not in result.stderr
+    small_vocab = str(tmp_path / "small_vocab")
+    BertModel(BertConfig(**{**config.to_dict(), "vocab_size": 100})).save_pretrained(small_vocab)
+    roberta = tmp_path / "roberta"
+    roberta.mkdir()
+    (roberta / "config.json").write_text('{"model_type": "roberta"}')
+    base = ["--corpus", corpus, "--out-dir", str(tmp_path / "o"), *FAST]
+    cases = [(["--init-from", bare], "has no tokenizer: give the one its model was trained with (--tokenizer DIR)"),
+             (["--init-from", bare, "--tokenizer", tok_dir, "--model-size", "mini"],
+              "--model-size mini differs from --init-from"),
+             (["--init-from", bare, "--tokenizer", tok_dir, "--max-seq-len", "200"],
+              "--max-seq-len 200 exceeds the 128 positions"),
+             (["--init-from", small_vocab, "--tokenizer", tok_dir], "embeds 100"),
+             (["--init-from", phase1, "--tokenizer", str(tmp_path / "other_tok")],
+              "is not the tokenizer of --init-from"),
+             (["--init-from", str(roberta)], "holds a roberta model"),
+             (["--init-from", str(tmp_path)], "is not a checkpoint folder, a run's out dir or a Hugging Face")]
+    data_stream.get_tokenizer(None, [corpus], vocab_size=200).save_pretrained(str(tmp_path / "other_tok"))
+    procs = [subprocess.Popen([sys.executable, SCRIPT, *base, *extra], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env()) for extra, _ in cases]
+    for proc, (extra, message) in zip(procs, cases, strict=True):
+        _, stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 2 and message in stderr, (extra, stderr)
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, (extra, stderr)
+
+
+def test_a_node_without_the_source_gets_it_from_rank_0(tmp_path, corpus, phase1):
+    """Node-local disks: node 0 has the source folder, node 1 has another model under that name
+    (or none): every rank must start from node 0's weights."""
+    nodes = make_nodes(tmp_path, corpus)
+    shutil.copytree(os.path.join(phase1, "hf"), os.path.join(nodes[0], "source"))
+    from transformers import BertForMaskedLM
+    other = BertForMaskedLM.from_pretrained(os.path.join(nodes[0], "source"))
+    torch.nn.init.normal_(other.bert.embeddings.word_embeddings.weight)
+    other.save_pretrained(os.path.join(nodes[1], "source"))
+    shutil.copytree(os.path.join(phase1, "tokenizer"), os.path.join(nodes[1], "source"), dirs_exist_ok=True)
+    args = list(ARGS)
+    args[args.index("--max-steps") + 1] = "2"
+    results = run_nodes(nodes, static(free_port()), [*args, "--init-from", "source", "--lr", "0"])
+    assert all(rc == 0 for rc, _, _ in results), results
+    source = body(final_weights(phase1))
+    started = body(final_weights(os.path.join(nodes[0], "run")))
+    assert all(torch.equal(source[k], started[k]) for k in source)
+
