@@ -84,15 +84,19 @@ finite() { python -c "import json,math,sys; s=json.load(open('$OUT/$1.summary.js
 sys.exit(0 if s['train_loss'] is not None and math.isfinite(s['train_loss']) else 1)"; }
 
 # --- 2. the mixed-precision paths and torchrun (short, tiny model)
-if train fp16_tiny 150 python pretrain_ddp.py --amp --amp-dtype fp16 --max-steps 30 --log-every 10 \
+SKIP="skipped (its 150 s would end past the budget)"
+if ! fits 150; then record "fp16 + GradScaler (tiny)" "$SKIP"
+elif train fp16_tiny 150 python pretrain_ddp.py --amp --amp-dtype fp16 --max-steps 30 --log-every 10 \
         && finite fp16_tiny && grep -q "train/loss_scale" "$OUT/fp16_tiny.log"; then
     record "fp16 + GradScaler (tiny)" "ok, loss scale $(grep -o 'loss_scale [0-9.e+]*' "$OUT/fp16_tiny.log" | tail -1)"
 else record "fp16 + GradScaler (tiny)" FAIL; fi
-if train bf16_tiny 150 python pretrain_ddp.py --amp --amp-dtype bf16 --max-steps 30 --log-every 10 \
+if ! fits 150; then record "bf16 autocast (tiny)" "$SKIP"
+elif train bf16_tiny 150 python pretrain_ddp.py --amp --amp-dtype bf16 --max-steps 30 --log-every 10 \
         && finite bf16_tiny; then record "bf16 autocast (tiny)" ok; else record "bf16 autocast (tiny)" FAIL; fi
 # One rank under torchrun: pretrain_ddp only creates a process group (nccl) for world size > 1, so this
 # checks the torchrun environment path; nccl itself was checked in step 1.
-if train torchrun1_tiny 150 python -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_ddp.py --amp --max-steps 30 \
+if ! fits 150; then record "torchrun 1 rank, --amp, 2 workers, pinned (tiny)" "$SKIP"
+elif train torchrun1_tiny 150 python -m torch.distributed.run --standalone --nproc_per_node 1 pretrain_ddp.py --amp --max-steps 30 \
         --log-every 10 --num-workers 2 && finite torchrun1_tiny; then
     record "torchrun 1 rank, --amp, 2 workers, pinned (tiny)" ok
 else record "torchrun 1 rank, --amp, 2 workers, pinned (tiny)" FAIL; fi
