@@ -5,7 +5,9 @@
 #     bash bench/gpu_check.sh                 # from the repository root; results in $OUT (or /tmp/gpu_check)
 #     STEPS=40 BATCH=32 bash bench/gpu_check.sh
 #
-# Never run on the CPU-only development machine (it stops at the first check). Each command has its own
+# What one GPU cannot check: DDP over nccl with 2+ ranks (NCCL refuses two ranks on one device), so nccl is
+# checked with 1 rank and DDP itself by the CPU tests (gloo). Never run on the CPU-only development machine
+# (it stops at the first check). Each command has its own
 # timeout; a failure is recorded as FAIL in the table and the script goes on. Runs write checkpoints
 # (BERT-base + AdamW: ~1.3 GB) to $RUNS outside $OUT; only logs and summary.json files go to $OUT.
 set -u
