@@ -509,12 +509,16 @@ def make_stream(args, corpus, split, tokenizer, seed, shuffle):
 # zero at the end of the planned data, not before or after.
 
 def new_lr_plan(args, stream, world_size):
-    est = estimate_steps.estimate(stream, world_size, args.num_workers, args.batch_size, args.accum_steps,
-                                  args.epochs)
+    settings = (stream, world_size, args.num_workers, args.batch_size, args.accum_steps)
+    epochs = args.epochs
+    if args.max_steps is not None:  # estimate only the epochs --max-steps can reach (not e.g. --epochs 100000)
+        first = estimate_steps.estimate(*settings, 1)
+        epochs = min(epochs, math.ceil(args.max_steps / max(first["total_steps"], 1)) + 1)
+    est = estimate_steps.estimate(*settings, epochs)
     total = est["total_steps"] if args.max_steps is None else min(args.max_steps, est["total_steps"] or 1)
     warmup = estimate_steps.warmup_steps(args.warmup, total)
     return {"total": total, "warmup": warmup, "batch": args.batch_size * args.accum_steps * world_size,
-            "decay_from": [warmup, 1.0], "steps_per_epoch": est["total_steps"] / args.epochs}, est
+            "decay_from": [warmup, 1.0], "steps_per_epoch": est["total_steps"] / epochs}, est
 
 
 def lr_factor(plan, pos):
@@ -1250,7 +1254,7 @@ def main(argv=None):
               f"{world_size} on {device.type}; effective batch {config['effective_batch']} "
               f"({args.batch_size} x {world_size} ranks x {args.accum_steps} accum)")
         print(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps "
-              f"for {args.epochs} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps
+              f"for {estimate['epochs']} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps
                                                else ")"), flush=True)
         if run["path"]:
             print(f"resumed from {run['path']} at step {step}, epoch {epoch}", flush=True)

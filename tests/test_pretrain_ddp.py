@@ -128,6 +128,17 @@ def test_steady_rates_leave_out_the_start_and_the_evals(tmp_path, corpus, tok_di
     assert s["tokens_per_sec_overall"] * s["time_s"] == pytest.approx(s["tokens_seen"], rel=1e-6)
 
 
+def test_max_steps_with_huge_epochs_estimates_only_the_epochs_it_reaches(tmp_path, corpus, tok_dir):
+    out = str(tmp_path / "run")
+    result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out,
+                  "--epochs", "100000", "--max-steps", "40", "--num-workers", "0", *FAST])
+    assert result.returncode == 0, result.stderr[-3000:]
+    s = summary(out)
+    # ~33 steps per epoch at this batch: two epochs reach step 40, one more is the margin
+    assert s["estimate"]["epochs"] <= 3 and s["planned_steps"] == 40 and s["steps"] == 40
+    assert os.path.getsize(os.path.join(out, "summary.json")) < 50_000  # was 20 MB: one entry per epoch
+
+
 def test_empty_eval_set_warns_and_skips(tmp_path, corpus, tok_dir):
     blank = tmp_path / "blank.txt"
     blank.write_text("\n\n")

@@ -1,0 +1,337 @@
+"""
+Learning verified, not assumed: pretrain_ddp.py vs transformers.Trainer (run_mlm recipe), scored by one evaluator.
+
+    python bench/learning.py                       # the recorded configuration (BENCHMARKS.md section 11), ~29 min
+    python bench/learning.py --quick               # a smoke run: 120 steps, 2 evaluation points, one seed
+    python bench/learning.py --steps 2400 --eval-every 600 --seeds 0,1,2
+    python bench/learning.py --sides ours --seeds 0 # one side only (e.g. a longer run of ours)
+
+Both sides train the same model (pretrain_ddp.build_model, the same torch seed before it, so the same initial
+weights for the same seed), on the same data (builtin's train split), with the same optimizer (torch fused AdamW,
+betas 0.9/0.98, eps 1e-6, decay --weight-decay on params with ndim >= 2 except LayerNorm), the same LR plan
+(pretrain_ddp.lr_factor: warmup (pos+1)/warmup_steps, linear decay to 0 at --steps; given to the Trainer as a
+LambdaLR, since its built-in linear schedule starts at 0), batch, max_seq_len, dropout, clipping 1.0, steps.
+
+Ours: `pretrain_ddp.py --objective mlm --tokenizer T --max-steps N --save-every E --keep-last 1000`, one process;
+its checkpoints step_XXXXXX/trainer.pt hold the Hugging Face state_dict ("model").
+Trainer: run_mlm.py's recipe (line_by_line=False) on a dataset of one record per document: each record tokenized
+with [CLS]/[SEP], concatenated in corpus order, cut into max_seq_len blocks (group_texts, remainder dropped),
+shuffled by the Trainer's sampler, DataCollatorForLanguageModeling(mlm_probability=0.15); the model's state_dict is
+saved at the same steps by a callback.
+
+The evaluator (one function, both sides): builtin's held-out split tokenized with the run's tokenizer, each
+document's tokens + [SEP], concatenated, cut into [CLS] + (max_seq_len - 2) + [SEP] windows; 15% of the non-special
+tokens masked 80/10/10 once with a fixed numpy seed (--mask-seed), so every model sees identical masked inputs.
+It reports MLM loss and accuracy at the masked positions, and two baselines from the training split's token counts:
+always predicting the most frequent token (accuracy) and the unigram distribution (loss) -- the plateau.
+
+The tokenizer is trained once by a 1-step run of pretrain_ddp.py and passed to both sides. Every training process
+runs alone with OMP_NUM_THREADS=--threads. Noise: the spread between the two seeds of one side at each step; ours
+is within noise at a step if |ours mean - Trainer mean| <= max(ours seed spread, Trainer seed spread) (with one
+seed per side no verdict is given).
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0].strip(),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model-size", default="tiny", help="pretrain_ddp.MODEL_SIZES")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, both sides")
+    p.add_argument("--batch-size", type=int, default=16, help="per step, both sides")
+    p.add_argument("--max-seq-len", type=int, default=128, help="tokens per window/block, both sides")
+    p.add_argument("--steps", type=int, default=1200, help="optimizer steps per run (= the LR plan's total)")
+    p.add_argument("--eval-every", type=int, default=300, help="evaluate the models saved every N steps")
+    p.add_argument("--warmup", type=float, default=0.06, help="warmup fraction of --steps")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decay (not biases/LayerNorm)")
+    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
+    p.add_argument("--seeds", default="0,1", help="comma list: each side trains once per seed")
+    p.add_argument("--sides", default="ours,trainer", help="comma list of ours, trainer")
+    p.add_argument("--mask-seed", type=int, default=1234, help="the evaluator's fixed masking seed")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
+    p.add_argument("--quick", action="store_true", help="smoke run: --steps 120 --eval-every 60 --seeds 0")
+    p.add_argument("--out-dir", default="/tmp/bert_ddp_bench/learning", help="runs, tokenizer, results.json")
+    p.add_argument("--reuse", action="store_true", help="skip runs whose saved models are all there (re-score only)")
+    p.add_argument("--worker", choices=["trainer"], help=argparse.SUPPRESS)  # internal: one Trainer run
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.eval_every, args.seeds = 120, 60, "0"
+    return args
+
+
+def eval_steps(args):
+    return [s for s in range(args.eval_every, args.steps + 1, args.eval_every)] or [args.steps]
+
+
+def lr_plan(args):
+    import estimate_steps
+    warmup = estimate_steps.warmup_steps(args.warmup, args.steps)
+    return {"total": args.steps, "warmup": warmup, "decay_from": [warmup, 1.0]}
+
+
+def split_documents(tok, split):
+    """Token ids (no special tokens) of each document of builtin's split, as pretrain_ddp.py's stream reads them."""
+    import data_stream
+    corpus = data_stream.open_corpus("builtin", split, "mlm")
+    return [data_stream.tokenize_lines(tok, corpus.read(d))[0].tolist() for d in range(corpus.num_docs)]
+
+
+# ----------------------------------------------------------------------------- the tokenizer (ours, once)
+
+def make_tokenizer(args, env):
+    run_dir = os.path.join(args.out_dir, "tokenizer-run")
+    tok_dir = os.path.join(run_dir, "tokenizer")
+    if not os.path.isdir(tok_dir):
+        cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--max-steps", "1",
+               "--eval-corpus", "none", "--log-to", "stdout", "--out-dir", run_dir, "--resume", "none", "--overwrite"]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            sys.exit(f"pretrain_ddp.py (tokenizer run) failed:\n{out.stderr[-3000:]}")
+    return tok_dir
+
+
+# ----------------------------------------------------------------------------- ours
+
+def epochs_needed(args, tok_dir):
+    """Enough --epochs that --max-steps ends the run (one spare): a huge --epochs would make pretrain_ddp.py's
+    estimate list every epoch (100,000 epochs: 7 s and a 20 MB summary.json)."""
+    import data_stream
+    tokens = sum(len(doc) + 1 for doc in split_documents(data_stream.get_tokenizer(tok_dir), "train"))
+    steps_per_epoch = math.ceil(math.ceil(tokens / (args.max_seq_len - 2)) / args.batch_size)
+    return math.ceil(args.steps / steps_per_epoch) + 1
+
+
+def run_ours(args, seed, tok_dir, run_dir, env):
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--model-size",
+           args.model_size, "--tokenizer", tok_dir, "--batch-size", str(args.batch_size), "--max-seq-len",
+           str(args.max_seq_len), "--lr", str(args.lr), "--warmup", str(args.warmup), "--weight-decay",
+           str(args.weight_decay), "--dropout", str(args.dropout), "--clip", "1.0", "--seed", str(seed),
+           "--max-steps", str(args.steps), "--epochs", str(epochs_needed(args, tok_dir)),
+           "--save-every", str(args.eval_every), "--keep-last", "1000", "--eval-every", str(args.steps),
+           "--log-every", str(args.eval_every), "--log-to", "stdout", "--out-dir", run_dir, "--resume", "none",
+           "--overwrite"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        sys.exit(f"pretrain_ddp.py failed:\n{out.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["steps"] == args.steps, summary["steps"]
+    return {s: os.path.join(run_dir, "checkpoints", f"step_{s:06d}", "trainer.pt") for s in eval_steps(args)}
+
+
+# ----------------------------------------------------------------------------- Trainer (run_mlm recipe)
+
+def trainer_worker(args):
+    import torch
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
+
+    import data_stream
+    import pretrain_ddp
+    tok = data_stream.get_tokenizer(args.tokenizer)
+    # run_mlm.py, line_by_line=False, one record per document: tokenize (with [CLS]/[SEP]), concatenate, cut
+    ids = [t for doc in split_documents(tok, "train") for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
+    n = args.max_seq_len
+    blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
+              for i in range(0, len(ids) // n * n, n)]
+    torch.manual_seed(args.seed)  # as pretrain_ddp.py: the seed, then the model (same initial weights)
+    model = pretrain_ddp.build_model(args.model_size, "mlm", len(tok), args.max_seq_len, args.dropout,
+                                     tok.pad_token_id)
+    # pretrain_ddp.py's optimizer groups and settings, and its LR plan (the Trainer's linear schedule starts at 0)
+    named = list(model.named_parameters())
+    decay = [p for name, p in named if p.ndim >= 2 and "LayerNorm" not in name]
+    no_decay = [p for name, p in named if p.ndim < 2 or "LayerNorm" in name]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98),
+                                  eps=1e-6, fused=True)
+    plan = lr_plan(args)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: pretrain_ddp.lr_factor(plan, s))
+    save_at = set(eval_steps(args))
+    os.makedirs(args.run_dir, exist_ok=True)
+
+    class Save(TrainerCallback):
+        def on_step_end(self, targs, state, control, model=None, **kw):
+            if state.global_step in save_at:
+                torch.save({"model": model.state_dict()},
+                           os.path.join(args.run_dir, f"step_{state.global_step:06d}.pt"))
+
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.run_dir, "trainer_tmp"), per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps, learning_rate=args.lr, weight_decay=args.weight_decay, adam_beta1=0.9,
+        adam_beta2=0.98, adam_epsilon=1e-6, max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0,
+        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed)
+    trainer = Trainer(model=model, args=targs, train_dataset=blocks, optimizers=(optimizer, scheduler),
+                      data_collator=DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15),
+                      callbacks=[Save()])
+    t0 = time.perf_counter()
+    trainer.train()
+    print(json.dumps({"time_s": time.perf_counter() - t0, "blocks": len(blocks), "threads": torch.get_num_threads(),
+                      "final_lr": scheduler.get_last_lr()[0]}))
+
+
+def run_trainer(args, seed, tok_dir, run_dir, env):
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trainer", "--seed", str(seed), "--tokenizer",
+           tok_dir, "--run-dir", run_dir]
+    for flag in ("model_size", "lr", "batch_size", "max_seq_len", "steps", "eval_every", "warmup", "weight_decay",
+                 "dropout"):
+        cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        sys.exit(f"Trainer run failed:\n{out.stderr[-3000:]}")
+    return {s: os.path.join(run_dir, f"step_{s:06d}.pt") for s in eval_steps(args)}
+
+
+# ----------------------------------------------------------------------------- the evaluator
+
+class Evaluator:
+    """Held-out windows masked once (fixed seed) + baselines; score(state_dict or HF folder) -> loss, accuracy."""
+
+    def __init__(self, tok_dir, max_seq_len=128, mask_prob=0.15, seed=1234, batch_size=32):
+        import numpy as np
+        import torch
+
+        import data_stream
+        self.tok = tok = data_stream.get_tokenizer(tok_dir)
+        self.max_seq_len, self.batch_size = max_seq_len, batch_size
+        stream = [t for doc in split_documents(tok, "eval") for t in [*doc, tok.sep_token_id]]
+        width = max_seq_len - 2
+        rows = [[tok.cls_token_id, *stream[i:i + width], tok.sep_token_id]
+                for i in range(0, len(stream) // width * width, width)]
+        ids = np.array(rows, np.int64)
+        special = np.isin(ids, tok.all_special_ids)
+        rng = np.random.default_rng(seed)
+        chosen = (rng.random(ids.shape) < mask_prob) & ~special
+        how = rng.random(ids.shape)
+        normal = np.setdiff1d(np.arange(len(tok)), tok.all_special_ids)
+        labels = np.where(chosen, ids, -100)
+        ids[chosen & (how < 0.8)] = tok.mask_token_id
+        swap = chosen & (how >= 0.8) & (how < 0.9)
+        ids[swap] = rng.choice(normal, int(swap.sum()))
+        self.ids, self.labels = torch.from_numpy(ids), torch.from_numpy(labels)
+        targets = labels[labels != -100]
+        counts = np.bincount([t for doc in split_documents(tok, "train") for t in doc], minlength=len(tok))
+        probs = (counts + 1) / (counts + 1).sum()  # add-one: every target has some probability
+        self.info = {"windows": len(rows), "masked": len(targets), "eval_tokens": len(stream),
+                     "most_frequent_token": tok.convert_ids_to_tokens(int(counts.argmax())),
+                     "most_frequent_accuracy": float((targets == counts.argmax()).mean()),
+                     "unigram_loss": float(-np.log(probs[targets]).mean())}
+
+    def score(self, weights, model_size):
+        import torch
+        from transformers import BertForMaskedLM
+
+        import pretrain_ddp
+        if isinstance(weights, str) and os.path.isdir(weights):
+            model = BertForMaskedLM.from_pretrained(weights)
+        else:
+            state = torch.load(weights, map_location="cpu", weights_only=True)["model"] \
+                if isinstance(weights, str) else weights
+            model = pretrain_ddp.build_model(model_size, "mlm", len(self.tok), self.max_seq_len, 0.0,
+                                             self.tok.pad_token_id)
+            model.load_state_dict(state)
+        model.eval()
+        loss_sum, correct = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, len(self.ids), self.batch_size):
+                ids, labels = self.ids[i:i + self.batch_size], self.labels[i:i + self.batch_size]
+                hidden = model.bert(input_ids=ids, token_type_ids=torch.zeros_like(ids)).last_hidden_state
+                picked = labels != -100
+                logits = model.cls(hidden[picked]).double()
+                loss_sum += float(torch.nn.functional.cross_entropy(logits, labels[picked], reduction="sum"))
+                correct += int((logits.argmax(-1) == labels[picked]).sum())
+        masked = int((self.labels != -100).sum())
+        return {"loss": loss_sum / masked, "accuracy": correct / masked}
+
+
+# ----------------------------------------------------------------------------- main
+
+def fmt_pair(values, key, pct):
+    return " / ".join(f"{v[key]:.1%}" if pct else f"{v[key]:.3f}" for v in values)
+
+
+def main():
+    args = parse_args()
+    if args.worker == "trainer":
+        return trainer_worker(args)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    sides = args.sides.split(",")
+    assert set(sides) <= {"ours", "trainer"} and args.eval_every >= 1 and args.steps >= 1
+    os.makedirs(args.out_dir, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    tok_dir = make_tokenizer(args, env)
+    print(f"BERT-{args.model_size}, lr {args.lr}, batch {args.batch_size} x seq {args.max_seq_len}, {args.steps} "
+          f"steps (warmup {lr_plan(args)['warmup']}), eval at {eval_steps(args)}, seeds {seeds}, "
+          f"{args.threads} thread(s) per run", flush=True)
+    saved, minutes = {}, {}
+    for side in sides:
+        for seed in seeds:
+            run_dir = os.path.join(args.out_dir, f"{side}-seed{seed}")
+            expected = (run_ours if side == "ours" else run_trainer).__name__
+            t0 = time.perf_counter()
+            paths = None
+            if args.reuse and os.path.exists(os.path.join(run_dir, "paths.json")):
+                with open(os.path.join(run_dir, "paths.json")) as f:
+                    paths = {int(k): v for k, v in json.load(f).items()}
+                if set(paths) != set(eval_steps(args)) or not all(map(os.path.exists, paths.values())):
+                    paths = None
+            if paths is None:
+                paths = globals()[expected](args, seed, tok_dir, run_dir, env)
+                with open(os.path.join(run_dir, "paths.json"), "w") as f:
+                    json.dump(paths, f)
+            minutes[side, seed] = (time.perf_counter() - t0) / 60
+            saved[side, seed] = paths
+            print(f"  {side} seed {seed}: {minutes[side, seed]:.1f} min", flush=True)
+    evaluator = Evaluator(tok_dir, args.max_seq_len, seed=args.mask_seed)
+    info = evaluator.info
+    scores = {key: {s: evaluator.score(p, args.model_size) for s, p in paths.items()} for key, paths in saved.items()}
+    rows, verdicts = [], []
+    for step in eval_steps(args):
+        cells, means, spreads = [], {}, {}
+        for side in sides:
+            values = [scores[side, seed][step] for seed in seeds]
+            cells += [fmt_pair(values, "loss", False), fmt_pair(values, "accuracy", True)]
+            means[side] = {k: sum(v[k] for v in values) / len(values) for k in ("loss", "accuracy")}
+            spreads[side] = {k: max(v[k] for v in values) - min(v[k] for v in values) for k in ("loss", "accuracy")}
+        verdict = ""
+        if len(sides) == 2 and len(seeds) >= 2:
+            ok = []
+            for k in ("loss", "accuracy"):
+                diff, noise = abs(means["ours"][k] - means["trainer"][k]), max(s[k] for s in spreads.values())
+                ok.append(diff <= noise)
+                verdict += (f"{k} |d| {diff:.3f} vs {noise:.3f}; " if k == "loss" else
+                            f"acc |d| {diff:.1%} vs {noise:.1%}: ")
+            verdict += "within noise" if all(ok) else "OUTSIDE noise"
+            verdicts.append(all(ok))
+        rows.append(f"| {step} | " + " | ".join(cells) + (f" | {verdict} |" if verdict else " |"))
+    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+        json.dump({"args": vars(args), "evaluator": info, "minutes": {f"{k[0]}-{k[1]}": v for k, v in minutes.items()},
+                   "scores": {f"{k[0]}-{k[1]}": v for k, v in scores.items()}}, f, indent=1)
+    print(f"\nheld-out: {info['windows']} windows, {info['masked']} masked tokens (mask seed {args.mask_seed}); "
+          f"baselines: most frequent token {info['most_frequent_token']!r} {info['most_frequent_accuracy']:.1%} "
+          f"accuracy, unigram loss {info['unigram_loss']:.3f}")
+    print("minutes per run: " + ", ".join(f"{k[0]} seed {k[1]} {v:.1f}" for k, v in minutes.items()))
+    seed_names = "/".join(map(str, seeds))
+    head = "| step | " + " | ".join(f"{side} loss (seed {seed_names}) | {side} acc (seed {seed_names})"
+                                      for side in sides)
+    print("\n" + head + (" | ours vs Trainer (mean diff vs max seed spread) |" if verdicts else " |"))
+    print("| --- " * (1 + 2 * len(sides) + bool(verdicts)) + "|")
+    print("\n".join(rows))
+    if verdicts:
+        print(f"\nverdict: ours within noise of the Trainer at {sum(verdicts)}/{len(verdicts)} points")
+
+
+if __name__ == "__main__":
+    main()
