@@ -290,6 +290,15 @@ def from_rank0(obj):
     return box[0]
 
 
+def unless_local(mine):
+    """Collective: `mine` (None: this rank could not read it) where every rank has it, else rank 0's
+    on every rank (rank 0 always has it): sent over the process group only when needed."""
+    if any(lacking for _, lacking in gather(mine is None)):
+        sent = from_rank0(mine if GROUP["rank"] == 0 else None)
+        mine = mine if mine is not None else sent
+    return mine
+
+
 def agree(error):
     """Collective: if any rank has an error (a string), the ranks that found it say it, all exit 2."""
     errors = [e for _, e in gather(error)]
@@ -376,6 +385,13 @@ def new_architecture(model_size, vocab_size, max_seq_len, pad_id):
     return {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
             "num_attention_heads": heads, "intermediate_size": 4 * hidden,
             "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
+
+
+def architecture_of(config, pad_id):
+    """The architecture of a run from its config (a checkpoint's meta), also of runs written before
+    architectures were kept (built from scratch: the size, vocabulary and length say it all)."""
+    return config.get("architecture") or new_architecture(config["model_size"], config["vocab"],
+                                                          config["max_seq_len"], pad_id)
 
 
 def size_name(architecture):
@@ -807,10 +823,7 @@ def fetch_checkpoint(run, rank0_only):
         loaded, _ = read_checkpoint(run["path"])
         if loaded is not None and loaded["sha256"] != run["sha256"]:
             loaded = None  # another checkpoint under the same name (node-local out dirs)
-    if any(lacking for _, lacking in gather(loaded is None)):
-        sent = from_rank0(loaded if GROUP["rank"] == 0 else None)
-        loaded = loaded or sent
-    return loaded
+    return unless_local(loaded)
 
 
 def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_workers):
@@ -915,9 +928,7 @@ def load_init(kind, folder, objective, seed):
         loaded, problem = read_checkpoint(folder)
         if loaded is None:
             fail(f"--init-from {folder} cannot be used: {problem}")
-        before = loaded["meta"]["config"]
-        architecture = before.get("architecture") or new_architecture(
-            before["model_size"], before["vocab"], before["max_seq_len"], 0)  # written before architectures were kept
+        architecture = architecture_of(loaded["meta"]["config"], 0)
         model = model_from(architecture, objective, 0.0)
         missing, unexpected = model.load_state_dict(loaded["trainer.pt"]["model"], strict=False)
     else:
@@ -960,10 +971,7 @@ def fetch_init(run, rank0_only):
             weights = None
         if weights is not None and weights_checksum(weights) != init["checksum"]:
             weights = None  # another model under the same name on this node
-    if any(lacking for _, lacking in gather(weights is None)):
-        sent = from_rank0(weights if GROUP["rank"] == 0 else None)
-        weights = weights or sent
-    return weights
+    return unless_local(weights)
 
 
 # ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
@@ -1029,8 +1037,7 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
     tokenizer = run_tokenizer(args, out_dir, resumed, path, init and init["tokenizer"])
     if resumed is not None:
         before, source = resumed["meta"]["config"], f"the checkpoint {path}"
-        architecture = before.get("architecture") or new_architecture(  # written before architectures were kept
-            before["model_size"], before["vocab"], before["max_seq_len"], tokenizer.pad_token_id)
+        architecture = architecture_of(before, tokenizer.pad_token_id)
     elif init is None:
         architecture = new_architecture(args.model_size or "tiny", len(tokenizer), args.max_seq_len,
                                         tokenizer.pad_token_id)
