@@ -14,6 +14,7 @@ The choices that matter for speed and robustness are commented where they are ma
 import argparse
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -372,11 +373,17 @@ class Pretraining(torch.nn.Module):
         return torch.stack([mlm_loss, mlm_correct.float(), nsp_loss, nsp_correct.float()])
 
 
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there);
+# older torch knows only the old name.
+NO_BUFFER_SYNC = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                  else "broadcast_buffers": False}
+
+
 def wrap_ddp(model, device):
     """DDP without the per-forward sync of buffers (BERT's are constant position and token-type
     ids, synced once at the start) and with gradients kept in the all_reduce buckets (no copy)."""
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False,
-               gradient_as_bucket_view=True)
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **NO_BUFFER_SYNC)
 
 
 def new_architecture(model_size, vocab_size, max_seq_len, pad_id):
