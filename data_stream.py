@@ -36,6 +36,7 @@ import glob
 import gzip
 import hashlib
 import json
+import locale
 import mmap
 import os
 import re
@@ -436,10 +437,19 @@ class Corpus:
             raise CorpusError(f"corpus {', '.join(given)} holds no text")
         if sentences and any(f != "text" for f in self.formats):
             self._segmenter()  # fail now, not in a DataLoader worker
+            # sentencex splits a language it has no rules for by the English ones, silently: say so
+            known = {re.split(r"[_.@]", name)[0] for name in locale.locale_alias}
+            if language.split("-")[0].lower() not in known:
+                warnings.warn(f"--language {language} is not an ISO 639 language code this machine knows; "
+                              "sentences are split by sentencex's fallback (English) rules", stacklevel=2)
         self._pid, self._open = None, {}
+
+    def __getstate__(self):  # open files are per process (_handle): a worker opens its own
+        return {**self.__dict__, "_pid": None, "_open": {}}
 
     @property
     def num_docs(self):
+
         return len(self.index["start"])
 
     def doc_bytes(self):
@@ -635,6 +645,11 @@ class TokenCache:
         self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
         self.where, self.pieces, self.pending, self.pending_tokens = None, [], [], 0
         self.writable, self.pid = True, os.getpid()
+
+    def __getstate__(self):
+        """What a DataLoader worker started by a forkserver receives: no mappings (it maps the pieces
+        itself at its first refresh) and nothing pending (the parent's to write)."""
+        return {**self.__dict__, "where": None, "pieces": [], "pending": [], "pending_tokens": 0}
 
     def refresh(self, num_docs):
         """Find the pieces written so far (by any process); called at the start of every pass."""
@@ -1189,39 +1204,95 @@ class BertPretrainStream(IterableDataset):
 
 # ============================================================================= CLI
 
+# The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states.
+MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "tokenizers": (0, 22), "numpy": (1, 26)}
+
+
+def check_versions(prog):
+    """Exit with one line if an installed library is older than the oldest verified one (checked
+    from the installed metadata, before an old API fails somewhere deep in a run)."""
+    from importlib.metadata import PackageNotFoundError, version
+    for name, floor in MIN_VERSIONS.items():
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            continue  # its import fails with its own message
+        if tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < floor:
+            needed = ".".join(map(str, floor))
+            sys.exit(f"{prog}: error: {name} {found} is installed, this needs {name} >= {needed}: "
+                     f"pip install '{name}>={needed}'")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the flag (not the usage block of every flag above it)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def number(kind, low=None, high=None, low_open=False, high_open=False):
+    """An argparse type: a number of `kind` (int or float) in the range given (None: unbounded on
+    that side; *_open: the bound itself excluded). Every numeric flag of the three scripts uses one,
+    so a value out of range fails at parse time, on every rank alike, in one line."""
+    if low is not None and high is not None:
+        allowed = f"{low} {'<' if low_open else '<='} x {'<' if high_open else '<='} {high}"
+    elif low is not None:
+        allowed = f"x {'>' if low_open else '>='} {low}"
+    else:
+        allowed = f"x {'<' if high_open else '<='} {high}"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if value != value or (low is not None and (value <= low if low_open else value < low)) or \
+                (high is not None and (value >= high if high_open else value > high)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range (allowed: {allowed})")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in some messages
+    return parse
+
+
 def add_data_args(parser):
     """The corpus/tokenizer/sample flags, shared by every script of the project."""
-    parser.add_argument("--corpus", default="builtin",
-                        help="'builtin' (prose shipped with Python), a file, a directory, a glob, or a comma list. "
-                             "Text (.txt, .txt.gz): one sentence per line, a blank line between documents; "
-                             ".jsonl(.gz), .parquet, or a datasets save_to_disk folder: one record per document")
-    parser.add_argument("--text-field", default="text", help="the field/column that holds a record's text")
-    parser.add_argument("--tokenizer", default=None,
-                        help="a local Hugging Face tokenizer folder; default: train a WordPiece on the corpus "
-                             f"(cached under {CACHE_DIR})")
-    parser.add_argument("--vocab-size", type=int, default=8192, help="vocabulary of a trained tokenizer")
-    parser.add_argument("--tokenizer-sample-mb", type=float, default=TOKENIZER_SAMPLE_MB,
-                        help="a trained tokenizer sees at most this much text, spread evenly over the corpus")
-    parser.add_argument("--objective", default="nsp", choices=["nsp", "mlm"],
-                        help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style")
-    parser.add_argument("--max-seq-len", type=int, default=128, help="tokens per sample, [CLS]/[SEP] included")
-    parser.add_argument("--short-seq-prob", type=float, default=0.1,
-                        help="probability that a document's samples aim at a shorter random length (BERT: 0.1)")
-    parser.add_argument("--mask-prob", type=float, default=0.15, help="fraction of tokens masked for MLM")
-    parser.add_argument("--whole-word-mask", action="store_true",
-                        help="mask all WordPiece pieces of a chosen word together (BERT's whole-word masking)")
-    parser.add_argument("--shuffle-docs", type=int, default=SHUFFLE_DOCS,
-                        help="documents each DataLoader worker keeps open and draws samples from (the shuffle); "
-                             "worker memory is at most about this x --max-doc-bytes x 5")
-    parser.add_argument("--max-doc-bytes", type=int, default=MAX_DOC_BYTES,
-                        help="longer documents (books) are read as parts of about this size (characters for "
-                             "jsonl/parquet/arrow records), each its own document")
-    parser.add_argument("--token-cache", default="auto",
-                        help=f"where token ids are cached after the first read: 'auto' ({CACHE_DIR}/tokens), "
-                             "a directory, or 'none'")
-    parser.add_argument("--language", default="en",
-                        help="language of the sentence splitter (nsp on jsonl/parquet/arrow records)")
-    parser.add_argument("--seed", type=int, default=0, help="seeds document order, pairs and masking")
+    group = parser.add_argument_group("data")
+    group.add_argument("--corpus", default="builtin",
+                       help="'builtin' (prose shipped with Python), a file, a directory, a glob, or a comma list. "
+                            "Text (.txt, .txt.gz): one sentence per line, a blank line between documents; "
+                            ".jsonl(.gz), .parquet, or a datasets save_to_disk folder: one record per document")
+    group.add_argument("--text-field", default="text", help="the field/column that holds a record's text")
+    group.add_argument("--tokenizer", default=None,
+                       help="a local Hugging Face tokenizer folder; default: train a WordPiece on the corpus "
+                            f"(cached under {CACHE_DIR})")
+    group.add_argument("--vocab-size", type=number(int, 2 * len(SPECIAL_TOKENS)), default=8192,
+                       help="vocabulary of a trained tokenizer")
+    group.add_argument("--tokenizer-sample-mb", type=number(float, 0, low_open=True), default=TOKENIZER_SAMPLE_MB,
+                       help="a trained tokenizer sees at most this much text, spread evenly over the corpus")
+    group.add_argument("--objective", default="nsp", choices=["nsp", "mlm"],
+                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style")
+    group.add_argument("--max-seq-len", type=number(int, 3), default=128,
+                       help="tokens per sample, [CLS]/[SEP] included (nsp: at least 5)")
+    group.add_argument("--short-seq-prob", type=number(float, 0, 1), default=0.1,
+                       help="probability that a document's samples aim at a shorter random length (BERT: 0.1)")
+    group.add_argument("--mask-prob", type=number(float, 0, 1, low_open=True), default=0.15,
+                       help="fraction of tokens masked for MLM")
+    group.add_argument("--whole-word-mask", action="store_true",
+                       help="mask all WordPiece pieces of a chosen word together (BERT's whole-word masking)")
+    group.add_argument("--shuffle-docs", type=number(int, 1), default=SHUFFLE_DOCS,
+                       help="documents each DataLoader worker keeps open and draws samples from (the shuffle); "
+                            "worker memory is at most about this x --max-doc-bytes x 5")
+    group.add_argument("--max-doc-bytes", type=number(int, 1024), default=MAX_DOC_BYTES,
+                       help="longer documents (books) are read as parts of about this size (characters for "
+                            "jsonl/parquet/arrow records), each its own document")
+    group.add_argument("--token-cache", default="auto",
+                       help=f"where token ids are cached after the first read: 'auto' ({CACHE_DIR}/tokens), "
+                            "a directory, or 'none'")
+    group.add_argument("--language", default="en",
+                       help="language of the sentence splitter (nsp on jsonl/parquet/arrow records), an ISO 639 "
+                            "code such as en, de, zh")
+    group.add_argument("--seed", type=number(int, 0), default=0, help="seeds document order, pairs and masking")
+    return group
 
 
 def stream_from_args(args, corpus=None, split="train", tokenizer=None, seed=None, shuffle=True, rank=None,
@@ -1267,17 +1338,21 @@ def build_cache(stream):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Stream BERT pretraining samples: show some, time one worker, "
-                                                 "or fill the token cache ahead of training.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(prog="data_stream.py",
+                    description="Stream BERT pretraining samples: show some, time one worker, "
+                                "or fill the token cache ahead of training.",
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_data_args(parser)
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per batch")
-    parser.add_argument("--show", type=int, default=0, metavar="N", help="print N decoded samples ([MASK] visible)")
+    parser.add_argument("--batch-size", type=number(int, 1), default=32, help="samples per batch")
+    parser.add_argument("--show", type=number(int, 0), default=0, metavar="N",
+                        help="print N decoded samples ([MASK] visible)")
     parser.add_argument("--bench", action="store_true",
                         help="time one worker over the corpus (up to --bench-seconds) next to the bare tokenizer")
-    parser.add_argument("--bench-seconds", type=float, default=20.0, help="time budget of --bench")
+    parser.add_argument("--bench-seconds", type=number(float, 0, low_open=True), default=20.0,
+                        help="time budget of --bench")
     parser.add_argument("--build-cache", action="store_true", help="tokenize the whole corpus into the token cache now")
     args = parser.parse_args(argv)
+    check_versions("data_stream.py")
     if args.bench:  # one worker's rate is one core's: a DataLoader worker tokenizes on one thread
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:

@@ -33,7 +33,16 @@ import time
 
 import numpy as np
 
-from data_stream import CorpusError, add_data_args, batches_per_rank, shard_documents, stream_from_args
+from data_stream import (
+    CorpusError,
+    Parser,
+    add_data_args,
+    batches_per_rank,
+    check_versions,
+    number,
+    shard_documents,
+    stream_from_args,
+)
 
 WARMUP = 0.06                # default --warmup of this script and of pretrain_ddp.py
 AUTO_EXACT_BYTES = 50_000_000  # auto mode counts exactly below this much text (~1 min of tokenizing)
@@ -47,22 +56,6 @@ def warmup_steps(warmup, total_steps):
     """The trainer's warmup (one rule for both scripts): warmup x total steps, rounded, at least
     one step when warmup > 0, never more than the plan."""
     return min(total_steps, max(1, round(warmup * total_steps))) if warmup > 0 else 0
-
-
-def check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs):
-    """Settings no count can fix -> ValueError naming the CLI flag (main prints it as one line)."""
-    for flag, value in (("--batch-size", batch_size), ("--accum-steps", accum_steps),
-                        ("--world-size", world_size), ("--epochs", epochs)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, not {value}")
-    if num_workers < 0:
-        raise ValueError(f"--num-workers must be 0 or more, not {num_workers}")
-    if mode not in ("auto", "exact", "sample"):
-        raise ValueError(f"--mode must be auto, exact or sample, not {mode!r}")
-    if not 0.0 <= warmup <= 1.0:
-        raise ValueError(f"--warmup is a fraction of the total steps, between 0 and 1, not {warmup}")
-    if sample_docs < 2:  # a variance needs two documents
-        raise ValueError(f"--sample-docs must be at least 2, not {sample_docs}")
 
 
 def progress_printer(enabled, total, what):
@@ -269,7 +262,6 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
     epoch) and an epoch's median in sample mode; `*_ci` are 95% intervals (one point in exact mode).
     warmup_steps is what pretrain_ddp.py will use for these settings (warmup_steps()).
     """
-    check_settings(world_size, num_workers, batch_size, accum_steps, epochs, mode, warmup, sample_docs)
     t0 = time.perf_counter()
     num_docs, total_bytes = stream.num_docs, int(stream.corpus.doc_bytes().sum())
     num_shards = world_size * max(num_workers, 1)
@@ -352,26 +344,27 @@ def format_report(r):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Predict the samples and optimizer steps of a pretraining run.",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(prog="estimate_steps.py",
+                    description="Predict the samples and optimizer steps of a pretraining run.",
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_data_args(parser)
-    parser.add_argument("--batch-size", type=int, default=32, help="samples per micro-batch, per rank")
-    parser.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    parser.add_argument("--world-size", type=int, default=1, help="DDP ranks")
-    parser.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank (0: one shard/rank)")
-    parser.add_argument("--epochs", type=int, default=1, help="passes over the corpus")
-    parser.add_argument("--warmup", type=float, default=WARMUP, help="warmup as a fraction of the total steps")
+    run = parser.add_argument_group("the run (as pretrain_ddp.py takes it)")
+    run.add_argument("--batch-size", type=number(int, 1), default=32, help="samples per micro-batch, per rank")
+    run.add_argument("--accum-steps", type=number(int, 1), default=1, help="micro-batches per optimizer step")
+    run.add_argument("--world-size", type=number(int, 1), default=1, help="DDP ranks")
+    run.add_argument("--num-workers", type=number(int, 0), default=1,
+                     help="DataLoader workers per rank (0: one shard/rank)")
+    run.add_argument("--epochs", type=number(int, 1), default=1, help="passes over the corpus")
+    run.add_argument("--warmup", type=number(float, 0, 1), default=WARMUP,
+                     help="warmup as a fraction of the total steps")
     parser.add_argument("--mode", default="auto", choices=["auto", "exact", "sample"],
                         help=f"exact: tokenize everything; sample: scale up --sample-docs documents; "
                              f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text and --sample-docs documents")
-    parser.add_argument("--sample-docs", type=int, default=10000, help="documents that sample mode reads")
+    parser.add_argument("--sample-docs", type=number(int, 2), default=10000,
+                        help="documents that sample mode reads (a variance needs two)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
-    try:  # before any corpus work: a wrong flag should fail in a second
-        check_settings(args.world_size, args.num_workers, args.batch_size, args.accum_steps, args.epochs,
-                       args.mode, args.warmup, args.sample_docs)
-    except ValueError as e:
-        sys.exit(f"estimate_steps.py: error: {e}")
+    check_versions("estimate_steps.py")
     try:
         stream = stream_from_args(args, rank=0, world_size=args.world_size)
         result = estimate(stream, args.world_size, args.num_workers, args.batch_size, args.accum_steps, args.epochs,

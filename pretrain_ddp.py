@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import socket
@@ -47,66 +48,89 @@ EVAL_SEED = 12345  # the eval set is masked the same way in every run, so number
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    data_stream.add_data_args(p)
-    p.add_argument("--eval-corpus", default=None,
-                   help="held-out corpus for evaluation; default: builtin's held-out split for --corpus builtin, "
-                        "else none; 'none' turns eval off")
-    p.add_argument("--out-dir", default=None,
-                   help="where checkpoints, the run's tokenizer, logs and summary.json go (written by rank 0 "
-                        "only: other nodes need no access); default runs/<date-time>")
-    p.add_argument("--model-size", default=None, choices=MODEL_SIZES,
-                   help="BERT size (Turc et al. 2019 / BERT); default tiny, or the size of --init-from's model")
-    p.add_argument("--init-from", default=None, metavar="PATH",
-                   help="start from these weights (new optimizer, LR plan, step 0): a checkpoint folder, a run's "
-                        "out dir (its latest checkpoint) or a Hugging Face BERT folder (config.json + weights); "
-                        "its tokenizer too, unless --tokenizer. For BERT's phase 2 (e.g. 128 -> 512 tokens) and "
-                        "continued pretraining. A run that has checkpoints of its own resumes those instead")
-    p.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout")
-    p.add_argument("--batch-size", type=int, default=32, help="micro-batch per rank")
-    p.add_argument("--accum-steps", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--epochs", type=int, default=3, help="passes over the corpus, reshuffled each time")
-    p.add_argument("--max-steps", type=int, default=None,
-                   help="stop after this many optimizer steps; default: the whole --epochs (estimated)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup", type=float, default=estimate_steps.WARMUP,
-                   help="fraction of the planned steps with linear warmup")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW decay (not on biases and LayerNorm)")
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clipping; 0 turns it off")
-    p.add_argument("--amp", action="store_true", help="mixed precision: bf16 where supported, else fp16 + GradScaler")
-    p.add_argument("--amp-dtype", default="auto", choices=["auto", "bf16", "fp16"],
-                   help="with --amp: force a dtype. auto on a CPU: bf16 with avx512_bf16/AMX, else fp32 "
-                        "(bf16 without them is ~28x slower)")
-    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
-                   help="CUDA: fp32 matmuls (without --amp, and fp32 parts with it) on TF32 tensor cores, "
-                        "~8x faster on Ampere and later with a 10-bit mantissa; --no-tf32 for full precision")
-    p.add_argument("--num-workers", type=int, default=1, help="DataLoader worker processes per rank")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the model (pays on GPUs; on CPUs it measured no gain for a long compile)")
-    p.add_argument("--eval-every", type=int, default=200, help="evaluate every N optimizer steps (and at the end)")
-    p.add_argument("--log-every", type=int, default=20, help="log training scalars every N optimizer steps")
-    p.add_argument("--log-to", default="stdout,tensorboard",
-                   help="comma list of stdout, tensorboard, mlflow (to $MLFLOW_TRACKING_URI, else ./mlflow.db), "
-                        "wandb (set by the WANDB_* variables; WANDB_MODE=offline needs no network)")
-    p.add_argument("--save-every", type=int, default=500,
-                   help="checkpoint every N optimizer steps (also at the end and on SIGTERM/SIGINT)")
-    p.add_argument("--keep-last", type=int, default=3, help="complete checkpoints kept")
-    p.add_argument("--resume", default="auto",
-                   help="auto: continue from the newest complete checkpoint in --out-dir, if any; none: start "
-                        "afresh; or a checkpoint folder")
-    p.add_argument("--overwrite", action="store_true",
-                   help="with --resume none: delete the out dir's checkpoints and tokenizer")
-    p.add_argument("--allow-corpus-change", action="store_true",
-                   help="resume although the corpus changed (files added or edited): the current epoch "
-                        "restarts on the new corpus; without it such a resume is an error")
-    p.add_argument("--dist-timeout", type=float, default=30,
-                   help="minutes a rank waits for the others in a training collective before giving up "
-                        "(rank 0's preparation, e.g. training the tokenizer, has its own 24-hour wait)")
-    p.add_argument("--export-every", type=int, default=0,
-                   help="also write the Hugging Face folder <out>/hf every N steps (it is always written at the end)")
-    args = p.parse_args(argv)
-    return args
+    number = data_stream.number  # one table of ranges for the three scripts: a bad value fails in one line
+    p = data_stream.Parser(prog="pretrain_ddp.py", description=__doc__.split("\n\n")[0].strip(),
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    data = data_stream.add_data_args(p)
+    data.add_argument("--eval-corpus", default=None,
+                      help="held-out corpus for evaluation; default: builtin's held-out split for --corpus builtin, "
+                           "else none; 'none' turns eval off")
+    data.add_argument("--num-workers", type=number(int, 0), default=None,
+                      help="DataLoader worker processes per rank; default 1 on a CPU, on a GPU enough to feed it "
+                           "(up to 4, within the cores per rank)")
+
+    model = p.add_argument_group("model")
+    model.add_argument("--model-size", default=None, choices=MODEL_SIZES,
+                       help="BERT size (Turc et al. 2019 / BERT); default tiny, or the size of --init-from's model")
+    model.add_argument("--init-from", default=None, metavar="PATH",
+                       help="start from these weights (new optimizer, LR plan, step 0): a checkpoint folder, a "
+                            "run's out dir (its latest checkpoint) or a Hugging Face BERT folder (config.json + "
+                            "weights); its tokenizer too, unless --tokenizer. For BERT's phase 2 (e.g. 128 -> 512 "
+                            "tokens) and continued pretraining. A run that has checkpoints of its own resumes those")
+    model.add_argument("--dropout", type=number(float, 0, 1, high_open=True), default=0.1,
+                       help="hidden and attention dropout")
+    model.add_argument("--compile", action="store_true",
+                       help="torch.compile the model (pays on GPUs; on CPUs it measured no gain for a long compile)")
+
+    optim = p.add_argument_group("optimization")
+    optim.add_argument("--batch-size", type=number(int, 1), default=32, help="micro-batch per rank")
+    optim.add_argument("--accum-steps", type=number(int, 1), default=1, help="micro-batches per optimizer step")
+    optim.add_argument("--lr", type=number(float, 0, low_open=True), default=1e-3, help="peak learning rate")
+    optim.add_argument("--warmup", type=number(float, 0, 1), default=estimate_steps.WARMUP,
+                       help="fraction of the planned steps with linear warmup")
+    optim.add_argument("--weight-decay", type=number(float, 0), default=0.01,
+                       help="AdamW decay (not on biases and LayerNorm)")
+    optim.add_argument("--clip", type=number(float, 0), default=1.0, help="gradient norm clipping; 0 turns it off")
+    optim.add_argument("--amp", action="store_true",
+                       help="mixed precision: bf16 where the GPU computes it natively (Ampere and later), else "
+                            "fp16 + GradScaler")
+    optim.add_argument("--amp-dtype", default="auto", choices=["auto", "bf16", "fp16"],
+                       help="with --amp: force a dtype. auto on a CPU: bf16 with avx512_bf16/AMX, else fp32 "
+                            "(bf16 without them is ~28x slower)")
+    optim.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                       help="CUDA: fp32 matmuls (without --amp, and fp32 parts with it) on TF32 tensor cores, "
+                            "~8x faster on Ampere and later with a 10-bit mantissa; --no-tf32 for full precision")
+
+    length = p.add_argument_group("run length")
+    length.add_argument("--epochs", type=number(int, 1), default=3, help="passes over the corpus, reshuffled each time")
+    length.add_argument("--max-steps", type=number(int, 1), default=None,
+                        help="stop after this many optimizer steps; default: the whole --epochs (estimated)")
+
+    ckpt = p.add_argument_group("checkpoints and outputs")
+    ckpt.add_argument("--out-dir", default=None,
+                      help="where checkpoints, the run's tokenizer, logs and summary.json go (written by rank 0 "
+                           "only: other nodes need no access); default runs/<date-time>")
+    ckpt.add_argument("--save-every", type=number(int, 1), default=500,
+                      help="checkpoint every N optimizer steps (also at the end and on SIGTERM/SIGINT)")
+    ckpt.add_argument("--keep-last", type=number(int, 1), default=3, help="complete checkpoints kept")
+    ckpt.add_argument("--resume", default="auto",
+                      help="auto: continue from the newest complete checkpoint in --out-dir, if any; none: start "
+                           "afresh; or a checkpoint folder")
+    ckpt.add_argument("--overwrite", action="store_true",
+                      help="with --resume none: delete the out dir's checkpoints and tokenizer")
+    ckpt.add_argument("--allow-corpus-change", action="store_true",
+                      help="resume although the corpus changed (files added or edited): the current epoch "
+                           "restarts on the new corpus; without it such a resume is an error")
+    ckpt.add_argument("--export-every", type=number(int, 0), default=0,
+                      help="also write the Hugging Face folder <out>/hf every N steps (it is always written at "
+                           "the end)")
+
+    distributed = p.add_argument_group("distributed")
+    distributed.add_argument("--dist-timeout", type=number(float, 0, low_open=True), default=30,
+                             help="minutes a rank waits for the others in a collective, or for a batch from its "
+                                  "DataLoader, before all stop with one line (rank 0's preparation, e.g. training "
+                                  "the tokenizer, has its own 24-hour wait)")
+
+    logging = p.add_argument_group("logging and evaluation")
+    logging.add_argument("--eval-every", type=number(int, 1), default=200,
+                         help="evaluate every N optimizer steps (and at the end)")
+    logging.add_argument("--log-every", type=number(int, 1), default=20,
+                         help="log training scalars every N optimizer steps")
+    logging.add_argument("--log-to", default="stdout,tensorboard",
+                         help="comma list of stdout, tensorboard, mlflow (to $MLFLOW_TRACKING_URI, else "
+                              "./mlflow.db), wandb (set by the WANDB_* variables; WANDB_MODE=offline needs no "
+                              "network)")
+    return p.parse_args(argv)
 
 
 def cpu_has_native_bf16():
@@ -119,11 +143,14 @@ def cpu_has_native_bf16():
 
 
 def choose_amp_dtype(args, device):
-    """None (fp32), torch.bfloat16 or torch.float16, with the one-line reasons for the choice."""
+    """None (fp32), torch.bfloat16 or torch.float16."""
     if not args.amp:
         return None
     if device.type == "cuda":
-        if args.amp_dtype == "fp16" or (args.amp_dtype == "auto" and not torch.cuda.is_bf16_supported()):
+        # bf16 only where tensor cores compute it (Ampere and later): is_bf16_supported() also says yes
+        # on V100/T4, which emulate it slowly; fp16 + GradScaler is their fast path.
+        if args.amp_dtype == "fp16" or (args.amp_dtype == "auto" and
+                                        not torch.cuda.is_bf16_supported(including_emulation=False)):
             return torch.float16
         return torch.bfloat16
     if args.amp_dtype == "fp16":
@@ -138,18 +165,8 @@ def choose_amp_dtype(args, device):
 
 
 def validate(args):
-    """The flags alone, checked before any process group exists (every rank finds the same)."""
-    for name in ("batch_size", "accum_steps", "epochs", "eval_every", "log_every", "save_every", "keep_last"):
-        if getattr(args, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.max_steps is not None and args.max_steps < 1:
-        fail(f"--max-steps must be at least 1, not {args.max_steps}")
-    if args.dist_timeout <= 0:
-        fail(f"--dist-timeout must be more than 0 minutes, not {args.dist_timeout}")
-    if args.export_every < 0:
-        fail(f"--export-every must be 0 (off) or more, not {args.export_every}")
-    if args.num_workers < 0:
-        fail(f"--num-workers must be 0 or more, not {args.num_workers}")
+    """What no single flag's range says (those are argparse types), checked before any process group
+    exists: every rank finds the same."""
     if args.max_seq_len < (5 if args.objective == "nsp" else 3):
         fail(f"--max-seq-len {args.max_seq_len} is too small for an {args.objective} sample "
              f"(at least {5 if args.objective == 'nsp' else 3})")
@@ -178,8 +195,19 @@ def setup_device(args):
     else:
         device = torch.device("cpu")
         if "OMP_NUM_THREADS" not in os.environ:  # share the cores between the ranks of this machine
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+            torch.set_num_threads(cores_per_rank())
     return device, choose_amp_dtype(args, device)
+
+
+def cores_per_rank():
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def default_num_workers(device):
+    """--num-workers when not given. One worker streams ~0.4-0.5M tokens/s and BERT-base on an
+    H100-class GPU takes ~0.8-1M: a GPU rank gets up to 4, leaving a core for the rank itself. On a
+    CPU the model is the bottleneck and a worker takes cores from it: one."""
+    return min(4, max(1, cores_per_rank() - 1)) if device.type == "cuda" else 1
 
 
 # ----------------------------------------------------------------------------- agreement between ranks
@@ -432,20 +460,24 @@ def train_flops(config, batch):
 
 
 # Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32).
-# Matched by substring of the device name, most specific first ("L40S" before "L40" before "L4",
-# "H100 PCIe" before "H100"); an unknown GPU gets no MFU rather than a wrong one.
-GPU_PEAKS = {"B200": (2250e12, 1100e12, 75e12), "H200": (989e12, 494e12, 67e12), "GH200": (989e12, 494e12, 67e12),
+# A key matches whole words of the device name ("NVIDIA H100 PCIe", "Tesla V100-PCIE-16GB"), the
+# longest key first ("H100 PCIe" before "H100"): "RTX A1000" is no A100 and "T400" no T4, and an
+# unknown GPU gets no MFU rather than a wrong one. V100 and T4 have no TF32: fp32 there.
+GPU_PEAKS = {"GB200": (2500e12, 1250e12, 80e12), "B200": (2250e12, 1100e12, 75e12),
+             "H200 NVL": (835e12, 418e12, 60e12), "H200": (989e12, 494e12, 67e12), "GH200": (989e12, 494e12, 67e12),
              "H100 PCIe": (756e12, 378e12, 51e12), "H100 NVL": (835e12, 418e12, 60e12),
              "H100": (989e12, 494e12, 67e12), "A100": (312e12, 156e12, 19.5e12), "A10G": (70e12, 35e12, 31.2e12),
              "A10": (125e12, 62.5e12, 31.2e12), "L40S": (362e12, 183e12, 91.6e12), "L40": (181e12, 90.5e12, 90.5e12),
              "L4": (121e12, 60e12, 30.3e12), "RTX 4090": (165e12, 82.6e12, 82.6e12),
-             "RTX 3090": (71e12, 35.6e12, 35.6e12), "V100": (125e12, 15.7e12, 15.7e12), "T4": (65e12, 8.1e12, 8.1e12)}
+             "RTX 3090": (71e12, 35.6e12, 35.6e12), "V100 PCIe": (112e12, 14e12, 14e12),
+             "V100": (125e12, 15.7e12, 15.7e12), "T4": (65e12, 8.1e12, 8.1e12)}
 
 
 def gpu_peak(name, amp_dtype, tf32):
     """The dense peak of the GPU called `name` for the math the run does, or None when unknown."""
+    words = " " + " ".join(re.split(r"[\s_-]+", name.upper())) + " "
     for key in sorted(GPU_PEAKS, key=len, reverse=True):
-        if key in name:
+        if f" {key.upper()} " in words:
             return GPU_PEAKS[key][0 if amp_dtype is not None else 1 if tf32 else 2]
     return None
 
@@ -473,12 +505,31 @@ def sparse_targets(batch):
     """The DataLoader's collate_fn, so it runs in the worker and its tensors are pinned with the
     rest: masked positions and targets instead of labels, and the attention mask only where a
     batch has padding. transformers reads a 2-D mask's `.all()` back from the device on every
-    forward (a host sync); no mask (packed mlm) or a 4-D boolean one it takes as given."""
-    labels = batch.pop("labels").flatten()
-    masked_pos = (labels != -100).nonzero().squeeze(1)
-    batch["masked_pos"], batch["masked_targets"] = masked_pos, labels[masked_pos]
+    forward (a host sync); no mask (packed mlm) or a 4-D boolean one it takes as given.
+
+    Sizes 0 and 1 are never symbolic in torch.compile (it specialises them): a batch of one row
+    (an epoch's last) or with 0-1 masked tokens would compile a graph of its own. So such a batch
+    gets a copy of its row, ignored by both losses (NSP label -100, no masked position in it), and
+    masked positions are padded to two with target -100 (cross_entropy's ignore_index): the losses
+    and gradients are the batch's own, and a run holds two graphs (with and without a mask)."""
+    labels = batch.pop("labels")
     mask = batch.pop("attention_mask")
-    batch["num_tokens"] = int(mask.sum())
+    batch["num_rows"], batch["num_tokens"] = len(labels), int(mask.sum())
+    if len(labels) == 1:
+        labels = torch.cat([labels, torch.full_like(labels, -100)])
+        mask = torch.cat([mask, mask])
+        for name in ("input_ids", "token_type_ids"):
+            batch[name] = torch.cat([batch[name], batch[name]])
+        if "next_sentence_label" in batch:
+            batch["next_sentence_label"] = torch.cat([batch["next_sentence_label"], torch.tensor([-100])])
+    labels = labels.flatten()
+    masked_pos = (labels != -100).nonzero().squeeze(1)
+    batch["num_masked"] = len(masked_pos)
+    masked_targets = labels[masked_pos]
+    if len(masked_pos) < 2:
+        masked_pos = torch.cat([masked_pos, torch.zeros(2 - len(masked_pos), dtype=masked_pos.dtype)])
+        masked_targets = torch.cat([masked_targets, torch.full((2 - len(masked_targets),), -100)])
+    batch["masked_pos"], batch["masked_targets"] = masked_pos, masked_targets
     if batch["num_tokens"] < mask.numel():
         batch["attention_mask"] = mask.bool()[:, None, None, :]
     return batch
@@ -492,14 +543,14 @@ DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "attention_mask":
 
 
 def prepare(batch, device, dynamic=False):
-    """A batch from the loader on the device (non-blocking: pinned on CUDA); returns it, its masked
-    and its non-pad token counts (host numbers: no device sync)."""
-    num_tokens = batch.pop("num_tokens")
+    """A batch from the loader on the device (non-blocking: pinned on CUDA); returns it and its
+    host counts {num_rows, num_masked, num_tokens} (real rows, masked and non-pad tokens: no sync)."""
+    counts = {k: batch.pop(k) for k in ("num_rows", "num_masked", "num_tokens")}
     on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cursor"}
     for name, dims in DYNAMIC_DIMS.items() if dynamic else ():
         for dim in dims if name in on_device else ():
             torch._dynamo.maybe_mark_dynamic(on_device[name], dim)
-    return on_device, len(batch["masked_pos"]), num_tokens
+    return on_device, counts
 
 
 def quiet_worker(worker_id):
@@ -508,7 +559,13 @@ def quiet_worker(worker_id):
     os.setpgrp()
 
 
-def make_loader(stream, num_workers, device):
+def make_loader(stream, num_workers, device, timeout_s, persistent=False):
+    """A DataLoader whose workers come from a forkserver, never forked from this process: a rank
+    runs threads (gloo, the TensorBoard writer, OpenMP, pin-memory) and a child forked while one
+    holds a lock can hang before its first line (seen: an eval worker, 1 job in 30 under load). The
+    forkserver is a fresh single-threaded interpreter that imports this script once; a worker then
+    starts in ~0.1 s (BENCHMARKS.md section 14). A worker that sends no batch within timeout_s
+    (--dist-timeout) ends the rank with one line instead of a silent hang."""
     # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
     # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -516,8 +573,10 @@ def make_loader(stream, num_workers, device):
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
     return DataLoader(stream, batch_size=None, collate_fn=sparse_targets, num_workers=num_workers,
                       pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
-                      worker_init_fn=quiet_worker,
-                      generator=torch.Generator())
+                      worker_init_fn=quiet_worker, generator=torch.Generator(),
+                      multiprocessing_context="forkserver" if num_workers else None,
+                      persistent_workers=persistent and num_workers > 0, timeout=timeout_s if num_workers else 0)
+
 
 
 def make_stream(args, corpus, split, tokenizer, seed, shuffle):
@@ -1157,6 +1216,14 @@ def load_run(args, run, rank0_only):
 STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out (workers, first batches, compile)
 
 
+def clock(device):
+    """time.perf_counter() once the device has run what was queued: CUDA kernels run behind the host,
+    and a clock read before they finish would credit their time to what comes after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def rates(seconds, steps, tokens, flops, peak, world_size):
     seconds = max(seconds, 1e-9)
     return {"tokens_per_sec": tokens / seconds, "steps_per_hour": steps / seconds * 3600,
@@ -1164,8 +1231,10 @@ def rates(seconds, steps, tokens, flops, peak, world_size):
 
 
 def train_step(model, optimizer, scaler, window, global_masked, global_samples, world_size, amp_ctx, clip, lr):
-    """One optimizer step at learning rate lr over a window of micro-batches. Returns (loss sums,
-    grad norm) on the device and whether fp16's GradScaler skipped the step (gradients overflowed).
+    """One optimizer step at learning rate lr over a window of micro-batches. Returns, as device
+    tensors (no host sync): the loss sums, the grad norm, and with fp16's GradScaler 1 where it
+    skipped the step (gradients overflowed), else None. A skipped step still counts as a step, as
+    in the Hugging Face Trainer and nanoGPT: knowing it on the host would cost a sync per step.
 
     Each micro-batch's loss is its sum of token losses over the *global* masked-token count
     (x world_size, since DDP averages gradients over ranks): the gradient is then exactly that
@@ -1186,11 +1255,14 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
     scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-    scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a host sync per step
+    # GradScaler skips the step exactly when a gradient is inf/NaN, and then the norm is too
+    skipped = (~torch.isfinite(grad_norm)).long() if scaler.is_enabled() else None
     scaler.step(optimizer)  # skips the step when fp16 gradients overflowed, and then lowers the scale
     scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return sums, grad_norm, scale is not None and scaler.get_scale() < scale
+    # Under DDP the gradients are views into its all_reduce buckets (gradient_as_bucket_view):
+    # zeroing keeps them, set_to_none would drop them and DDP would copy into new tensors each step.
+    optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
+    return sums, grad_norm, skipped
 
 
 @torch.no_grad()
@@ -1199,10 +1271,11 @@ def evaluate(model, loader, device, amp_ctx, world_size, nsp):
     model.eval()
     sums, masked, samples = torch.zeros(4, dtype=torch.float64, device=device), 0, 0
     for batch in loader:
-        batch, num_masked, _ = prepare(batch, device)
+        batch, counts = prepare(batch, device)
         with amp_ctx:
             sums += model(**batch).double()
-        masked, samples = masked + num_masked, samples + len(batch["input_ids"])  # host counts: no copy
+        masked, samples = masked + counts["num_masked"], samples + counts["num_rows"]  # host counts: no copy
+
     sums = torch.cat([sums, torch.tensor([masked, samples], dtype=torch.float64, device=device)])
     if world_size > 1:
         dist.all_reduce(sums)
@@ -1224,6 +1297,9 @@ def main(argv=None):
     join_group(device, timedelta(minutes=args.dist_timeout), newest_local_step(args))
     rank, world_size, master = GROUP["rank"], GROUP["world_size"], GROUP["rank"] == 0
     verify("the command line", vars(args))
+    if args.num_workers is None:  # rank 0's machine decides: every rank must shard the data alike
+        args.num_workers = from_rank0(default_num_workers(device))
+
 
     # --- rank 0 decides the run (out dir, checkpoint, tokenizer, LR plan); every rank verifies it
     rank0_only = {}
@@ -1285,7 +1361,7 @@ def main(argv=None):
             dist.all_reduce(t, group=GROUP["ctrl"])
         return t.tolist()
 
-    interval = {}
+    interval, peak = {}, peak_flops(device, amp_dtype)
 
     def log_interval(step, epoch, grad_norm):
         """Log the scalars of the steps since the last call; returns the train loss over them."""
@@ -1337,22 +1413,34 @@ def main(argv=None):
             print(f"saved {path}", flush=True)
 
     # --- the loop
-    peak = peak_flops(device, amp_dtype)
     # epoch counts the epochs whose data ran out: a run stopped by --max-steps or a signal is inside it
     interval.update(sums=None, masked=0, samples=0, tokens=0, flops=0.0, wait=0.0, t0=time.perf_counter(),
                     lr=args.lr * lr_factor(plan, plan_pos))
     eval_metrics, train_loss, grad_norm = {}, float("nan"), None
     t_start, start = time.perf_counter(), (step, tokens_seen, flops_done)  # rates count this run only
-    marks, paused = {}, 0.0  # for the steady rates: (training clock, step, tokens, flops) after 1 and 5 steps
-    stopped, last_eval_step, overflow_skips = False, None, 0
+    marks, paused, data_wait = {}, 0.0, 0.0  # steady rates: (training clock, step, tokens, flops) after 1 and 5 steps
+    stopped, last_eval_step = False, None
+    overflow_skips = torch.zeros((), dtype=torch.int64, device=device)  # fp16: read at log steps and the end
     step_limit = args.max_steps or math.inf  # else the epochs end the run (the plan is an estimate)
+    timeout_s = args.dist_timeout * 60
+    # One eval loader for the whole run: its workers start once, not at every eval
+    eval_loader = make_loader(eval_stream, args.num_workers, device, timeout_s, persistent=True) \
+        if eval_stream is not None else None
+
+    def run_eval():
+        metrics = evaluate(raw_model, eval_loader, device, amp_ctx, world_size, args.objective == "nsp")
+        log(metrics, step)
+        return metrics
+
     while epoch < args.epochs and step < step_limit and not stopped:
         if resume_data is not None and resume_data["epoch"] == epoch:
             stream.load_state_dict(resume_data, args.num_workers)
         else:
             stream.set_epoch(epoch)
         resume_data = None
-        batches = iter(make_loader(stream, args.num_workers, device))
+        # A new loader per epoch: its workers receive the stream with this epoch's order (a persistent
+        # worker would keep the one it started with). They start from the forkserver: ~0.1 s.
+        batches = iter(make_loader(stream, args.num_workers, device, timeout_s))
         data_ended = False
         while step < step_limit:
             t_wait = time.perf_counter()
@@ -1360,13 +1448,14 @@ def main(argv=None):
             cursors = []
             for raw in batches:
                 cursors.append(raw.pop("cursor"))
-                batch, n_masked, n_tokens = prepare(raw, device, dynamic=args.compile)
-                window.append(batch)
-                masked, samples = masked + n_masked, samples + len(batch["input_ids"])
-                tokens, flops = tokens + n_tokens, flops + train_flops(hf_model.config, batch)
+                batch, counts = prepare(raw, device, dynamic=args.compile)
+                window.append((batch, counts["num_rows"]))
+                masked, samples = masked + counts["num_masked"], samples + counts["num_rows"]
+                tokens, flops = tokens + counts["num_tokens"], flops + train_flops(hf_model.config, batch)
                 if len(window) == args.accum_steps:
                     break
             interval["wait"] += time.perf_counter() - t_wait
+            data_wait += time.perf_counter() - t_wait
             # The one collective per step: does every rank hold a full window? (SUM of 0/1),
             # global masked tokens and samples (to normalise the loss exactly), a stop request.
             full, g_masked, g_samples, g_tokens, g_flops, g_stop = all_reduce_ctrl(
@@ -1377,8 +1466,10 @@ def main(argv=None):
             for cursor in cursors:
                 stream.consumed(cursor)
             lr = args.lr * lr_factor(plan, plan_pos)
-            sums, grad_norm, overflowed = train_step(model, optimizer, scaler, window, g_masked, g_samples,
-                                                     world_size, amp_ctx, args.clip, lr)
+            sums, grad_norm, skipped = train_step(model, optimizer, scaler, [b for b, _ in window], g_masked,
+                                                  g_samples, world_size, amp_ctx, args.clip, lr)
+            if skipped is not None:
+                overflow_skips += skipped
             samples_seen, tokens_seen, flops_done = samples_seen + g_samples, tokens_seen + g_tokens, \
                 flops_done + g_flops
             interval["sums"] = sums if interval["sums"] is None else interval["sums"] + sums
@@ -1386,28 +1477,25 @@ def main(argv=None):
                                ("flops", g_flops)):
                 interval[key] += value
             interval["lr"] = lr
-            if overflowed:  # fp16: GradScaler skipped the update; neither the step nor the plan moves
-                overflow_skips += 1
-                continue
             step, plan_pos = step + 1, plan_pos + step_in_plan
             if step % args.log_every == 0:
                 train_loss = log_interval(step, epoch, grad_norm)
             if step - start[0] in (1, STEADY_AFTER):
-                marks[step - start[0]] = (time.perf_counter() - paused, step, tokens_seen, flops_done)
-            t_pause = time.perf_counter()
-            if step % args.save_every == 0:
-                checkpoint()
-            if args.export_every and step % args.export_every == 0 and master:
-                export_hf(raw_model.hf, tokenizer, out_dir)
-            if eval_stream is not None and step % args.eval_every == 0:
-                eval_metrics = evaluate(raw_model, make_loader(eval_stream, args.num_workers, device), device,
-                                        amp_ctx, world_size, args.objective == "nsp")
-                log(eval_metrics, step)
-                last_eval_step = step
-            paused += time.perf_counter() - t_pause
+                marks[step - start[0]] = (clock(device) - paused, step, tokens_seen, flops_done)
+            save, export = step % args.save_every == 0, args.export_every and step % args.export_every == 0
+            run_eval_now = eval_loader is not None and step % args.eval_every == 0
+            if save or export or run_eval_now:  # time outside training: left out of the steady rates
+                t_pause = clock(device)
+                if save:
+                    checkpoint()
+                if export and master:
+                    export_hf(raw_model.hf, tokenizer, out_dir)
+                if run_eval_now:
+                    eval_metrics, last_eval_step = run_eval(), step
+                paused += clock(device) - t_pause
         if data_ended:
             # The epoch ended for all ranks at the same step; count what each rank had to leave.
-            left = sum(len(b["input_ids"]) for b in window) + sum(len(b["input_ids"]) for b in batches)
+            left = sum(rows for _, rows in window) + sum(b["num_rows"] for b in batches)
             unused = all_reduce_ctrl([left if r == rank else 0 for r in range(world_size)])
             unused_per_epoch.append([int(u) for u in unused])
             if master:
@@ -1417,18 +1505,18 @@ def main(argv=None):
         del batches  # end the workers now, not at interpreter exit
 
     # --- final eval, the report, summary.json
-    elapsed, train_clock = time.perf_counter() - t_start, time.perf_counter() - paused
+    end = clock(device)
+    elapsed, train_clock = end - t_start, end - paused
     if interval["sums"] is not None:  # steps since the last log
         train_loss = log_interval(step, epoch, grad_norm)
     if stopped and master:
         print(f"stopped by signal at step {step} on every rank", flush=True)
     checkpoint()
-    if eval_stream is not None and last_eval_step != step:
-        eval_metrics = evaluate(raw_model, make_loader(eval_stream, args.num_workers, device), device, amp_ctx,
-                                world_size, args.objective == "nsp")
-        log(eval_metrics, step)
+    if eval_loader is not None and last_eval_step != step:
+        eval_metrics = run_eval()
         if not eval_metrics and master:
             print("warning: the eval set produced no masked tokens; eval skipped", file=sys.stderr)
+    eval_loader = None  # its persistent workers end here, before the process group does
     if master:
         total_steps, effective = round(plan["total"]), config["effective_batch"]
         overall = rates(elapsed, step - start[0], tokens_seen - start[1], flops_done - start[2], peak, world_size)
@@ -1438,6 +1526,7 @@ def main(argv=None):
         steady = rates(train_clock - mark[0], step - mark[1], tokens_seen - mark[2], flops_done - mark[3], peak,
                        world_size) if mark and step > mark[1] else overall
         eta_h = total_steps / steady["steps_per_hour"] if steady["steps_per_hour"] else float("nan")
+        wait_share = data_wait / max(train_clock - t_start, 1e-9)
         print(f"per-rank batch {args.batch_size} x {world_size} ranks, accumulation {args.accum_steps}, "
               f"effective batch {effective}, max seq len {args.max_seq_len}")
         print(f"iterations {step - start[0]}, time taken {elapsed:.1f} s; steady rates "
@@ -1448,37 +1537,61 @@ def main(argv=None):
         print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
               f"{eta_h:.2f} h; {steady['tokens_per_sec']:,.0f} tokens/s, MFU {mfu} "
               f"(overall, start-up included: {overall['tokens_per_sec']:,.0f} tokens/s)")
-        if overflow_skips:
-            print(f"fp16: {overflow_skips} steps skipped by the GradScaler (gradients overflowed; the loss scale "
-                  f"is now {scaler.get_scale():g})")
+        print(f"data wait: {wait_share:.1%} of the training time on rank 0 (DataLoader workers per rank: "
+              f"{args.num_workers}" + ("; the data is the bottleneck: more --num-workers, or --build-cache first)" if
+                        wait_share > 0.1 else ")"))
+        skips = int(overflow_skips)
+        if skips:
+            print(f"fp16: {skips} of the steps were skipped by the GradScaler (gradients overflowed; the loss "
+                  f"scale is now {scaler.get_scale():g})")
         summary = {"steps": step, "planned_steps": total_steps, "epochs_done": epoch,
                    "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,
                    "samples_seen": samples_seen, "tokens_seen": tokens_seen,
                    **steady, "steady_from_step": mark[1] if steady is not overall else None,
-                   **{f"{k}_overall": v for k, v in overall.items()},
+                   **{f"{k}_overall": v for k, v in overall.items()}, "data_wait_share": wait_share,
                    "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
                    "unused_samples_per_epoch": unused_per_epoch,
-                   "stopped_by_signal": stopped, "fp16_overflow_skips": overflow_skips, "estimate": run["estimate"],
+                   "stopped_by_signal": stopped, "fp16_overflow_skips": skips, "estimate": run["estimate"],
                    "lr_plan": plan, "lr_plan_position": plan_pos}
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         export_hf(raw_model.hf, tokenizer, out_dir)
         close_log()
-    if world_size > 1:
+    leave_group()
+
+
+def leave_group():
+    """Every rank leaves together: rank 0's writes are done and every DataLoader worker has ended;
+    then one barrier (rank 0 may have written a large export meanwhile) and every group destroyed,
+    before the interpreter tears down. A rank that exited while a peer still used the group, or a
+    group left to interpreter teardown, could abort on a gloo thread ('terminate called without an
+    active exception'), and torchrun then reports (and with --max-restarts restarts) a finished job."""
+    if dist.is_initialized():
+        dist.barrier(group=GROUP["ctrl"])
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    data_stream.check_versions("pretrain_ddp.py")
     try:
         main()
     except USER_ERRORS as e:  # found before the ranks could agree (in the flags): each node says it once
         if GROUP["store"] is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
             say_error(str(e))
         sys.exit(2)
+    except SystemExit as e:  # the ranks agreed to stop (agree/verify): they leave together
+        if e.code == 2:
+            leave_group()
+        raise
     except RuntimeError as e:  # a peer died or timed out: which rank noticed, in one line
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if message.startswith("DataLoader timed out"):
+            say_error(f"no batch from this rank's DataLoader workers within --dist-timeout ({message}); a worker "
+                      "hung, or the corpus reads too slowly for that timeout")
+            sys.exit(1)
         if not isinstance(e, dist.DistError) and "gloo" not in message and "NCCL" not in message:
             raise  # not the process group's: a bug, keep its traceback
         say_error(f"lost the other ranks ({message[:300]}); the first error above, from another rank or "
                   "from torchrun, says why")
         sys.exit(1)
+

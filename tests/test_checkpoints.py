@@ -223,7 +223,7 @@ def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
     trained.hf.load_state_dict(final_weights(out))
     trained.eval()
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=8, rank=0, world_size=1)
-    batch, _, _ = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    batch = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))[0]
     with torch.no_grad():
         full = mlm(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                    attention_mask=batch.get("attention_mask")).logits

@@ -149,7 +149,14 @@ def test_bad_input_one_line_errors(tmp_path, corpus, tok_dir):
     cases = [(["--batch-size", "0"], "--batch-size"), (["--accum-steps", "0"], "--accum-steps"),
              (["--max-seq-len", "4"], "--max-seq-len"), (["--amp", "--amp-dtype", "fp16"], "fp16"),
              (["--tokenizer", str(tmp_path)], "--tokenizer"), (["--out-dir", str(as_file)], "is a file"),
-             (["--log-to", "stdout,mlflow"], "mlflow"), (["--corpus", str(tmp_path / "nope.txt")], "does not exist")]
+             (["--log-to", "stdout,mlflow"], "mlflow"), (["--corpus", str(tmp_path / "nope.txt")], "does not exist"),
+             # every numeric flag has its range in one table (argparse types): flag, value and range in one line
+             (["--mask-prob", "1.5"], "--mask-prob: 1.5 is out of range (allowed: 0 < x <= 1)"),
+             (["--warmup", "2"], "--warmup: 2 is out of range (allowed: 0 <= x <= 1)"),
+             (["--lr", "-1"], "--lr: -1 is out of range (allowed: x > 0)"),
+             (["--dropout", "1"], "--dropout: 1 is out of range"), (["--seed", "-1"], "--seed: -1 is out of range"),
+             (["--epochs", "two"], "--epochs: 'two' is not an integer")]
+
     # mlflow is hidden (as when it is not installed), so that the verdict does not depend on this machine
     hidden = tmp_path / "hidden" / "mlflow"
     hidden.mkdir(parents=True)
@@ -217,7 +224,8 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
 
     import data_stream
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
-    batch, masked, _ = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    batch, counts = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    masked = counts["num_masked"]
     torch.manual_seed(0)
     model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.0, tokenizer.pad_token_id))
     before = copy.deepcopy(model.state_dict())
@@ -226,7 +234,7 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         _, _, overflowed = P.train_step(model, optimizer, scaler, [batch], masked, 4, 1, contextlib.nullcontext(),
                                         1.0, 1e-3)
-        assert overflowed == skipped
+        assert bool(overflowed) == skipped  # a device tensor: read here, in the loop only at log steps
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert unchanged == skipped
 
@@ -237,7 +245,8 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
     and clipped on the unscaled gradients: the same numbers."""
     import data_stream
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
-    batch, masked, _ = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    batch, counts = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    masked = counts["num_masked"]
     found = {}
     for loss_scale in (None, 2.0 ** 12):
         for clip in (0.0, 0.01):
@@ -286,30 +295,34 @@ def test_logged_lr_is_the_plan_every_step_and_after_a_resume(tmp_path, corpus, t
 
 
 def test_fp16_with_grad_scaler_on_cpu_skips_overflows_and_resumes_the_scale(tmp_path, corpus, tok_dir):
-    """fp16 autocast + GradScaler on the CPU (tests/_fp16_cpu.py), starting at a loss scale of 1e9
-    so that the first steps overflow: they are skipped without moving the step or the LR plan, the
-    scale falls by halves, it is saved with the checkpoint, and a resumed run continues with it."""
+    """fp16 autocast + GradScaler on the CPU (tests/_fp16_cpu.py), starting at a loss scale of 1.6e6
+    so that the first 4 steps overflow: they are skipped (the weights stay) but count as steps, as
+    in the Trainer: knowing a skip on the host would cost a sync per step, so the count lives on the
+    device and is read at log steps. The scale falls by halves, it is saved with the checkpoint, and
+    a run resumed in the middle of the skips continues with it, step for step."""
     out = str(tmp_path / "run")
-    helper = [sys.executable, os.path.join(ROOT, "tests", "_fp16_cpu.py"), "1e9"]
+    helper = [sys.executable, os.path.join(ROOT, "tests", "_fp16_cpu.py"), "1.6e6"]
     args = ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out, *FAST,
-            "--max-steps", "6", "--warmup", "0.5", "--lr", "1e-3", "--save-every", "3", "--num-workers", "0"]
+            "--max-steps", "8", "--warmup", "0.5", "--lr", "1e-3", "--save-every", "3", "--num-workers", "0"]
     first = subprocess.run([*helper, *args], capture_output=True, text=True, timeout=240, env=env(), cwd=ROOT)
     assert first.returncode == 0, first.stderr[-3000:]
     s, scales = summary(out), logged(first.stdout, "train/loss_scale")
     skips = s["fp16_overflow_skips"]
-    assert skips >= 3 and s["steps"] == 6 and s["samples_seen"] == (6 + skips) * 4, s
-    assert sorted(scales) == [1, 2, 3, 4, 5, 6] and scales[1] < 1e9 / 2 ** 3, scales  # the first steps overflowed
-    assert scales[6] == pytest.approx(1e9 / 2 ** skips, rel=1e-3), scales  # each skip halved the scale
+    assert 3 <= skips < 8 and s["steps"] == 8 and s["samples_seen"] == 8 * 4, s
+    assert f"fp16: {skips} of the steps were skipped" in first.stdout
+    # each of the first steps overflowed and halved the scale, the rest kept it
+    assert scales == {k: pytest.approx(1.6e6 / 2 ** min(k, skips), rel=1e-3) for k in range(1, 9)}, scales
     lrs = logged(first.stdout, "train/lr")
-    assert all(lrs[k] == pytest.approx(planned_lr(1e-3, 6, 3, k), rel=1e-3) for k in lrs), lrs  # skips: no move
-    trainer = torch.load(os.path.join(out, "checkpoints", "step_000006", "trainer.pt"), weights_only=True)
-    assert trainer["scaler"]["scale"] == pytest.approx(scales[6], rel=1e-3)
+    assert all(lrs[k] == pytest.approx(planned_lr(1e-3, 8, 4, k), rel=1e-3) for k in lrs), lrs
+    trainer = torch.load(os.path.join(out, "checkpoints", "step_000008", "trainer.pt"), weights_only=True)
+    assert trainer["scaler"]["scale"] == pytest.approx(scales[8], rel=1e-3)
     again = subprocess.run([*helper, *args, "--resume", os.path.join(out, "checkpoints", "step_000003")],
                            capture_output=True, text=True, timeout=240, env=env(), cwd=ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert 2 ** summary(out)["fp16_overflow_skips"] == pytest.approx(scales[3] / scales[6], rel=1e-3)
-    for name in ("train/loss_scale", "train/loss", "train/lr"):  # the same steps 4-6 as the first run
+    assert 2 ** summary(out)["fp16_overflow_skips"] == pytest.approx(scales[3] / scales[8], rel=1e-3)
+    for name in ("train/loss_scale", "train/loss", "train/lr"):  # the same steps 4-8 as the first run
         assert logged(again.stdout, name) == {k: v for k, v in logged(first.stdout, name).items() if k > 3}, name
+
 
 
 def test_two_rank_eval_equals_one_rank_eval(tmp_path, corpus, tok_dir):
@@ -362,6 +375,16 @@ def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
     assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, True) == 156e12  # fp32 run, TF32 matmuls
     assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, False) == 19.5e12  # fp32 run, full-precision matmuls
     assert P.gpu_peak("Some Future GPU", bf16, False) is None
+    # whole words, the longest key first: an H200 NVL has its own figures, a V100 PCIe its own, and
+    # an RTX A1000 is no A100, a T400 no T4
+    assert P.gpu_peak("NVIDIA H200 NVL", bf16, False) == 835e12
+    assert P.gpu_peak("NVIDIA H200", bf16, False) == 989e12
+    assert P.gpu_peak("NVIDIA GB200", bf16, False) == 2500e12
+    assert P.gpu_peak("Tesla V100-PCIE-16GB", fp16, False) == 112e12
+    assert P.gpu_peak("Tesla V100-SXM2-32GB", fp16, False) == 125e12
+    assert P.gpu_peak("Tesla T4", fp16, False) == 65e12
+    assert P.gpu_peak("NVIDIA RTX A1000", bf16, False) is None
+    assert P.gpu_peak("NVIDIA T400 4GB", fp16, False) is None
 
 
 def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir):
@@ -419,8 +442,9 @@ def test_no_host_read_in_a_forward_and_backward():
         labels[0, 1], labels[1, 4], labels[2, 2], labels[3, 3] = 7, 8, 9, 10
         raw = {"input_ids": ids * mask, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask,
                "labels": labels, "next_sentence_label": torch.tensor([0, 1, 0, 1])}
-        batch, _, n_tokens = P.prepare(P.sparse_targets(dict(raw)), torch.device("cpu"))
-        assert n_tokens == int(mask.sum()) and ("attention_mask" in batch) == padded
+        batch, counts = P.prepare(P.sparse_targets(dict(raw)), torch.device("cpu"))
+        assert counts["num_tokens"] == int(mask.sum()) and ("attention_mask" in batch) == padded
+
         out, n_reads = forward_backward(batch)
         assert n_reads == 0, (padded, n_reads)
         plain = {**batch, "attention_mask": mask}
@@ -430,7 +454,8 @@ def test_no_host_read_in_a_forward_and_backward():
 
 def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     """--compile: rows (the last batches of an epoch), masked-token counts and a mask or none vary;
-    with the varying sizes marked dynamic dynamo compiles once per mask kind, never per size."""
+    with the varying sizes marked dynamic dynamo compiles once per mask kind, never per size. Also
+    the edge batches dynamo specialises: one row, and 0 or 1 masked tokens."""
     import itertools
 
     from torch._dynamo.testing import CompileCounter
@@ -441,12 +466,23 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 64, 0.0, tokenizer.pad_token_id))
     compiled = torch.compile(model, backend=counter)
     kinds = []
-    for batch_size in (8, 5, 8, 3, 7, 2):
+    raws = []
+    for batch_size in (8, 5, 8, 3, 7, 2, 1):
         stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, rank=0,
                                                 world_size=1)
-        for raw in itertools.islice(stream, 2):
-            batch, masked, _ = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
-            compiled(**batch)[0].backward()
-            kinds.append((len(batch["input_ids"]), masked, "attention_mask" in batch))
-    assert len(set(kinds)) >= 9 and {mask for *_, mask in kinds} == {True, False}
+        raws += list(itertools.islice(stream, 2))
+    for keep in (0, 1):  # batches with no masked token, and with one
+        raw = {k: v.clone() if torch.is_tensor(v) else v for k, v in raws[0].items()}
+        masked_at = (raw["labels"] != -100).nonzero()
+        raw["labels"].fill_(-100)
+        for row, col in masked_at[:keep].tolist():
+            raw["labels"][row, col] = raws[0]["labels"][row, col]
+        raws.append(raw)
+    for raw in raws:
+        batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
+        compiled(**batch)[0].backward()
+        kinds.append((counts["num_rows"], counts["num_masked"], "attention_mask" in batch))
+    assert len(set(kinds)) >= 11 and {mask for *_, mask in kinds} == {True, False}
+    assert {1} <= {rows for rows, *_ in kinds} and {0, 1} <= {masked for _, masked, _ in kinds}, kinds
     assert counter.frame_count == 2  # without the marks: 3 here (dynamo's automatic dynamic after a recompile)
+
