@@ -9,7 +9,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pretrain_ddp as P  # noqa: E402
 
-init_scale, GradScaler = float(sys.argv[1]), torch.amp.GradScaler
-P.choose_amp_dtype = lambda args, device: torch.float16
-torch.amp.GradScaler = lambda device, enabled: GradScaler(device, init_scale=init_scale, enabled=enabled)
-P.main(sys.argv[2:])
+if __name__ == "__main__":  # DataLoader workers start from a forkserver, which runs this file again
+    init_scale, GradScaler = float(sys.argv[1]), torch.amp.GradScaler
+    P.choose_amp_dtype = lambda args, device: torch.float16
+    torch.amp.GradScaler = lambda device, enabled: GradScaler(device, init_scale=init_scale, enabled=enabled)
+    P.main(sys.argv[2:])
