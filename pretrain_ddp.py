@@ -13,6 +13,7 @@ The choices that matter for speed and robustness are commented where they are ma
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -22,11 +23,13 @@ import os
 import pickle
 import random
 import re
+import select
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -554,10 +557,26 @@ def prepare(batch, device, dynamic=False):
     return on_device, counts
 
 
-def quiet_worker(worker_id):
+def quiet_worker(worker_id, trainer_pid):
     """Ctrl-C and torchrun's SIGTERM go to a whole process group: a worker leaves it, so the trainer
-    decides when to stop (the DataLoader still ends its workers, and they exit if the trainer dies)."""
+    decides when to stop (the DataLoader still ends its workers). A worker also ends when its trainer
+    dies: DataLoader's own check watches the worker's parent, which is the forkserver here, and the
+    forkserver lives as long as its workers do (each holds the fd the server watches), so a SIGKILLed
+    or OOM-killed rank would leave its workers waiting forever, holding memory and its stdout."""
     os.setpgrp()
+    threading.Thread(target=exit_with, args=(trainer_pid,), daemon=True).start()
+
+
+def exit_with(pid):
+    """End this process once process pid has ended (never returns)."""
+    try:
+        select.select([os.pidfd_open(pid)], [], [])  # Linux 5.3+: readable once pid has exited
+    except (AttributeError, OSError):  # no pidfd here: ask every second
+        with contextlib.suppress(ProcessLookupError):
+            while True:
+                os.kill(pid, 0)
+                time.sleep(1)
+    os._exit(0)
 
 
 def make_loader(stream, num_workers, device, timeout_s, persistent=False):
@@ -580,7 +599,8 @@ def make_loader(stream, num_workers, device, timeout_s, persistent=False):
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
     return DataLoader(stream, batch_size=None, collate_fn=sparse_targets, num_workers=num_workers,
                       pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
-                      worker_init_fn=quiet_worker, generator=torch.Generator(),
+                      worker_init_fn=functools.partial(quiet_worker, trainer_pid=os.getpid()),
+                      generator=torch.Generator(),
                       multiprocessing_context=context if num_workers else None,
                       persistent_workers=persistent and num_workers > 0, timeout=timeout_s if num_workers else 0)
 

@@ -1,5 +1,6 @@
 """Checkpoints: atomic saves, exact resume after SIGKILL, damaged checkpoints, torchrun restarts,
 safe loading, Hugging Face export. Every process is bounded by a timeout."""
+import contextlib
 import glob
 import hashlib
 import io
@@ -9,10 +10,13 @@ import pickle
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
 import time
+import uuid
+import zipfile
 
 import pytest
 import torch
@@ -36,39 +40,48 @@ def tok_dir(tokenizer, tmp_path_factory):
     return path
 
 
-def processes_of(out_dir):
-    """pids of every process whose command line names out_dir (torchrun starts its workers in
-    sessions of their own, so a process group does not reach them)."""
+def processes_of(needle, where="cmdline"):
+    """pids of every process whose command line (or environment) has needle as one of its entries
+    (torchrun starts its workers in sessions of their own, so a process group does not reach them)."""
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            entries = open(f"/proc/{pid}/{where}", "rb").read().split(b"\0")
         except OSError:
             continue
-        if out_dir.encode() in cmdline.split(b"\0"):
+        if needle.encode() in entries:
             pids.append(int(pid))
     return pids
 
 
 def kill_all(proc, cmd):
+    """SIGKILL the run's launcher and ranks (whose command lines name its --out-dir), as a crash or
+    the OOM killer would; their DataLoader workers and forkservers are left to notice by themselves."""
     out_dir = cmd[cmd.index("--out-dir") + 1]
     for pid in [proc.pid, *processes_of(out_dir)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def run_until(cmd, on_line=None, timeout=240):
     """Run cmd, calling on_line(line, proc) for each stdout line (True: stop reading); a run past
-    timeout is killed and fails the test. Returns (exit code, stdout, stderr)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT,
-                            start_new_session=True)
+    timeout is killed and fails the test, and so does any process of it (a DataLoader worker, a
+    forkserver) still alive 30 s after its ranks ended. Returns (exit code, stdout, stderr)."""
+    marker = f"BERT_DDP_TEST_RUN={uuid.uuid4().hex}"  # in the environment of every process of the run
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**env(), marker.split("=")[0]: marker.split("=")[1]}, start_new_session=True)
     fired = []
-    timer = threading.Timer(timeout, lambda: (fired.append(1), kill_all(proc, cmd)))
+
+    def kill_everything():
+        fired.append(1)
+        for pid in [proc.pid, *processes_of(marker, "environ")]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, kill_everything)
     timer.start()
     lines, err = [], []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr))
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
     reader.start()
     for line in proc.stdout:
         lines.append(line)
@@ -76,11 +89,18 @@ def run_until(cmd, on_line=None, timeout=240):
             break
     proc.wait()
     timer.cancel()
-    reader.join()
     deadline = time.time() + 30
-    while processes_of(cmd[cmd.index("--out-dir") + 1]) and time.time() < deadline:  # killed ones are reaped
+    while processes_of(marker, "environ") and time.time() < deadline:  # killed ones are reaped, workers end
         time.sleep(0.1)
-    assert not fired, f"timed out after {timeout} s (a hang?): {''.join(lines)[-2000:]}"
+    timed_out, left = bool(fired), []
+    for pid in processes_of(marker, "environ"):
+        with contextlib.suppress(OSError):
+            left.append(open(f"/proc/{pid}/cmdline", "rb").read()[:120].decode(errors="replace"))
+    if left:
+        kill_everything()
+    reader.join(timeout=30)
+    assert not timed_out, f"timed out after {timeout} s (a hang?): {''.join(lines)[-2000:]}"
+    assert not left, f"{len(left)} process(es) of the run outlived it by 30 s (orphaned workers?): {left}"
     return proc.returncode, "".join(lines), "".join(err)
 
 
@@ -129,6 +149,44 @@ def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, corpus, tok_dir
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert summary(run)["steps"] == summary(ref)["steps"] == 44
     assert summary(run)["samples_seen"] == summary(ref)["samples_seen"]
+
+
+def damage_tensor_bytes(path):
+    """Overwrite 16 bytes in the middle of a largest tensor's storage in a torch.save file (the first
+    one saved: a weight, not its optimizer state): torch.load does not check the zip's CRCs, so only
+    the checkpoint's own checksum can see it."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename),
+                   key=lambda i: (i.file_size, -int(i.filename.rsplit("/", 1)[1])))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset)
+        name_length, extra_length = struct.unpack("<HH", f.read(30)[26:30])  # the local header
+        f.seek(info.header_offset + 30 + name_length + extra_length + info.file_size // 8 * 4)
+        f.write(struct.pack("<4f", 1234.5, -1234.5, 1234.5, -1234.5))
+
+
+def test_damage_only_the_checksum_sees_is_refused(tmp_path, corpus, tok_dir):
+    """Bytes overwritten inside a weight tensor of trainer.pt load without complaint (wrong weights,
+    silently); the checksum refuses them: --resume PATH is one error line, --resume auto warns and
+    resumes the checkpoint before."""
+    out = str(tmp_path / "run")
+    ckpts = os.path.join(out, "checkpoints")
+    base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
+            "--max-steps", "4"]
+    rc, _, err = run_until(base)
+    assert rc == 0, err[-3000:]
+    trainer = os.path.join(ckpts, "step_000004", "trainer.pt")
+    before = torch.load(trainer, weights_only=True)["model"]
+    damage_tensor_bytes(trainer)
+    after = torch.load(trainer, weights_only=True)["model"]  # loads: only the values differ
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # wrong weights, and not a word about it
+    rc, _, err = run_until([*base, "--resume", os.path.join(ckpts, "step_000004")])
+    assert rc == 2 and err.strip().splitlines() == [
+        f"pretrain_ddp.py: error: --resume {ckpts}/step_000004 cannot be used: trainer.pt does not match its "
+        "checksum"], err[-3000:]
+    rc, stdout, err = run_until(base)
+    assert rc == 0 and f"resumed from {ckpts}/step_000002 at step 2" in stdout, stdout[-2000:] + err[-3000:]
+    assert f"warning: checkpoint {ckpts}/step_000004 is damaged (trainer.pt does not match its checksum)" in err
 
 
 def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
