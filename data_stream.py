@@ -22,9 +22,11 @@ The layers, one section each, each knowing only the one below it:
 4. Samples: BERT's sentence pairs (Google's rules) or packed windows, masked per batch in numpy.
    Every random choice comes from an RNG keyed by (seed, epoch, document, purpose).
 5. Order: each epoch permutes the documents and cuts them into ranks x workers byte-balanced
-   shards; a worker keeps --shuffle-docs documents open and draws each sample from a random one of
-   them, so a batch mixes many documents. Its cursor (which documents are open, how far each is
-   read) is small and exact: `stream.consumed(batch["cursor"])`, `stream.state_dict()`.
+   shards; a worker keeps --shuffle-docs documents open and draws each sample from one of them,
+   chosen with probability proportional to what it has left, so a batch mixes many documents
+   and the mixture stays the same from the start of an epoch to its end. Its cursor (which
+   documents are open, how far each is read) is small and exact: `stream.consumed(batch["cursor"])`,
+   `stream.state_dict()`.
 """
 
 import argparse
@@ -233,8 +235,10 @@ def _pyarrow(path):
     try:
         import pyarrow  # noqa: F401
         import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        raise CorpusError(f"corpus file {path} needs pyarrow: pip install pyarrow") from None
+    except ImportError as e:
+        # a pyarrow built for another numpy fails here too: say what the import said
+        raise CorpusError(f"corpus file {path} needs pyarrow, which did not import ({e}): "
+                          "pip install -U pyarrow") from None
     import pyarrow as pa
     return pa
 
@@ -872,6 +876,9 @@ def batches_per_rank(samples_per_worker, batch_size):
     return sum(-(-n // batch_size) for n in samples_per_worker)
 
 
+BYTES_PER_TOKEN = 4  # a document's size in tokens before it is read, from its bytes (English WordPiece: ~4-5)
+
+
 def fresh_position(num_open, shard_size):
     """A shard's cursor before its first sample: the first num_open documents open, none read."""
     k = min(num_open, shard_size)
@@ -1062,8 +1069,8 @@ class BertPretrainStream(IterableDataset):
                 int(random_doc >= 0)), k + 1
 
     def _draw_fn(self, shard, num_shards):
-        """Uniform draw number n of a shard (which open document gives the next unit), made in
-        blocks keyed by position: a resume at draw n needs no RNG state."""
+        """Uniform number n in [0, 1) of a shard (it picks the open document that gives the next
+        unit), made in blocks keyed by position: a resume at draw n needs no RNG state."""
         block = {}
 
         def draw(n):
@@ -1074,23 +1081,48 @@ class BertPretrainStream(IterableDataset):
             return block[n // 4096][n % 4096]
         return draw
 
-    def _shard_units(self, shard_docs, position, draw, take, size):
-        """Units of one shard, each from a randomly drawn open document: take(units, k) -> (unit,
-        next k) takes what follows index k of a document's units, size(units) is where they end.
-        `position` (the cursor) is updated in place: which shard documents are open ('open': places
-        in the shard, -1 once none is left), how far each is read ('taken'), the next place to open,
-        the draws made."""
+    def _shard_units(self, shard_docs, position, draw, take, size, per_draw):
+        """Units of one shard, each from an open document drawn with probability proportional to
+        the draws it has left: take(units, k) -> (unit, next k) takes what follows index k of a
+        document's units (one draw), size(units) is where they end, per_draw the units a draw takes
+        at most. `position` (the cursor) is updated in place: which shard documents are open
+        ('open': places in the shard, -1 once none is left), how far each is read ('taken'), the
+        next place to open, the draws made.
+
+        Weighted, not uniform, so the pool drains evenly: each open document loses the same share
+        of what it has left per draw, and a batch mixes documents alike from the first quarter of
+        the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
+        first and ends every shard on its few longest ones). The weights are a pure function of the
+        cursor (and the corpus): a resume draws the same documents."""
         opened, taken = position["open"], position["taken"]
         partial = (self.resume or {}).get("partial", {})
+        doc_bytes, window_bytes = self._doc_bytes(), BYTES_PER_TOKEN * (self.max_seq_len - 2)
         live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
-        active = [s for s, p in enumerate(opened) if p >= 0]
-        while active:
-            slot = active[int(draw(position["draw"]) * len(active))]
+
+        def load(slot):
+            doc_id = int(shard_docs[opened[slot]])
+            live[slot] = self._units(doc_id)
+            # a document partly read before a resize goes on from where it stopped
+            taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
+
+        def weight(slot):
+            """The draws left in a slot (0: closed). Until a document is first drawn, its bytes in
+            the index estimate them (no document is read to be weighed); then its units left."""
+            if opened[slot] < 0:
+                return 0
+            doc_id = int(shard_docs[opened[slot]])
+            if max(taken[slot], partial.get(str(doc_id), 0)) == 0:
+                return max(-(-int(doc_bytes[doc_id]) // window_bytes), 1)
             if slot not in live:
-                doc_id = int(shard_docs[opened[slot]])
-                live[slot] = self._units(doc_id)
-                # a document partly read before a resize goes on from where it stopped
-                taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
+                load(slot)
+            return max(-(-(size(live[slot]) - taken[slot]) // per_draw), 1)
+
+        weights = np.array([weight(s) for s in range(len(opened))], np.int64)
+        while weights.any():
+            cum = np.cumsum(weights)
+            slot = int(np.searchsorted(cum, draw(position["draw"]) * cum[-1], side="right"))
+            if slot not in live:
+                load(slot)
             units, k = live[slot], taken[slot]
             end = size(units)
             if k < end:  # else an empty document: replaced, and the same draw used again
@@ -1103,7 +1135,7 @@ class BertPretrainStream(IterableDataset):
                     position["next"] += 1
                 else:
                     opened[slot] = -1
-                    active.remove(slot)
+            weights[slot] = weight(slot)
             if k < end:
                 yield unit
 
@@ -1111,7 +1143,7 @@ class BertPretrainStream(IterableDataset):
         """(ids, draws, doc ids, type_start, nsp label) of each sample of a shard, from `position` on."""
         if self.objective == "nsp":
             for ids, draws, doc_id, type_start, label in self._shard_units(
-                    shard_docs, position, draw, self._nsp_sample, lambda units: len(units[4])):
+                    shard_docs, position, draw, self._nsp_sample, lambda units: len(units[4]), 1):
                 yield ids, draws, [doc_id], type_start, label
             return
         # mlm: a window of max_seq_len - 2 tokens is filled from a drawn document up to the window's
@@ -1125,7 +1157,7 @@ class BertPretrainStream(IterableDataset):
             end = min(k + need[0], len(ids))
             return (ids[k:end], draws[:, k:end], doc_id), end
 
-        for part in self._shard_units(shard_docs, position, draw, take, lambda units: len(units[0])):
+        for part in self._shard_units(shard_docs, position, draw, take, lambda units: len(units[0]), width):
             parts.append(part)
             need[0] -= len(part[0])
             if need[0] == 0:
@@ -1205,7 +1237,8 @@ class BertPretrainStream(IterableDataset):
 # ============================================================================= CLI
 
 # The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states.
-MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "tokenizers": (0, 22), "numpy": (1, 26)}
+# the oldest verified (bench/compat.sh); transformers 5.17 itself requires tokenizers >= 0.23.1
+MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "tokenizers": (0, 23), "numpy": (1, 26)}
 
 
 def check_versions(prog):
