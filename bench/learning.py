@@ -39,6 +39,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
@@ -61,7 +63,12 @@ def parse_args():
     p.add_argument("--mask-seed", type=int, default=1234, help="the evaluator's fixed masking seed")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every training process")
     p.add_argument("--quick", action="store_true", help="smoke run: --steps 120 --eval-every 60 --seeds 0")
-    p.add_argument("--out-dir", default="/tmp/bert_ddp_bench/learning", help="runs, tokenizer, results.json")
+    p.add_argument("--corpus", default="builtin", choices=["builtin", "pydoc-topics"],
+                   help="builtin's train/eval split, or the pydoc topics alone (few documents, very uneven lengths)")
+    p.add_argument("--out-dir", default=None,
+                   help="runs, tokenizer, results.json (default /tmp/bert_ddp_bench/learning[-CORPUS])")
+    p.add_argument("--order-table", action="store_true",
+                   help="only print the data order's distinct documents per batch by quarter of the epoch")
     p.add_argument("--reuse", action="store_true", help="skip runs whose saved models are all there (re-score only)")
     p.add_argument("--worker", choices=["trainer"], help=argparse.SUPPRESS)  # internal: one Trainer run
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -70,6 +77,8 @@ def parse_args():
     args = p.parse_args()
     if args.quick:
         args.steps, args.eval_every, args.seeds = 120, 60, "0"
+    if args.out_dir is None:
+        args.out_dir = "/tmp/bert_ddp_bench/learning" + ("" if args.corpus == "builtin" else "-" + args.corpus)
     return args
 
 
@@ -83,10 +92,35 @@ def lr_plan(args):
     return {"total": args.steps, "warmup": warmup, "decay_from": [warmup, 1.0]}
 
 
-def split_documents(tok, split):
-    """Token ids (no special tokens) of each document of builtin's split, as pretrain_ddp.py's stream reads them."""
+def corpus_paths(args):
+    """{'train': path, 'eval': path} of --corpus. builtin: data_stream's own split (every 20th document held out);
+    pydoc-topics: the pydoc topics alone (builtin's first 79 documents, few and of very different lengths),
+    every 10th held out (71 train, 8 eval), written into --out-dir."""
     import data_stream
-    corpus = data_stream.open_corpus("builtin", split, "mlm")
+    if args.corpus == "builtin":
+        train, held_out = data_stream.build_builtin_corpus()
+        return {"train": train, "eval": held_out}
+    import pydoc_data.topics
+    texts = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    docs = [s for s in map(data_stream._split_prose, texts) if len(s) >= 2]
+    paths = {"train": os.path.join(args.out_dir, "corpus", "train.txt"),
+             "eval": os.path.join(args.out_dir, "corpus", "eval.txt")}
+    os.makedirs(os.path.dirname(paths["train"]), exist_ok=True)
+    for split, part in (("eval", docs[::10]), ("train", [d for i, d in enumerate(docs) if i % 10])):
+        if not os.path.exists(paths[split]):
+            data_stream._atomic_write_text(paths[split], "\n\n".join("\n".join(d) for d in part) + "\n")
+    return paths
+
+
+def corpus_flag(args, split):
+    """What pretrain_ddp.py's --corpus/--eval-corpus is given for a split."""
+    return "builtin" if args.corpus == "builtin" else corpus_paths(args)[split]
+
+
+def split_documents(tok, args, split):
+    """Token ids (no special tokens) of each document of --corpus's split, as pretrain_ddp.py's stream reads them."""
+    import data_stream
+    corpus = data_stream.open_corpus(corpus_flag(args, split), split, "mlm")
     return [data_stream.tokenize_lines(tok, corpus.read(d))[0].tolist() for d in range(corpus.num_docs)]
 
 
@@ -97,7 +131,8 @@ def make_tokenizer(args, env):
     tok_dir = os.path.join(run_dir, "tokenizer")
     if not os.path.isdir(tok_dir):
         cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--max-steps", "1",
-               "--eval-corpus", "none", "--log-to", "stdout", "--out-dir", run_dir, "--resume", "none", "--overwrite"]
+               "--corpus", corpus_flag(args, "train"), "--eval-corpus", "none", "--log-to", "stdout", "--out-dir",
+               run_dir, "--resume", "none", "--overwrite"]
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
         if out.returncode:
             sys.exit(f"pretrain_ddp.py (tokenizer run) failed:\n{out.stderr[-3000:]}")
@@ -110,14 +145,15 @@ def epochs_needed(args, tok_dir):
     """Enough --epochs that --max-steps ends the run (one spare): a huge --epochs would make pretrain_ddp.py's
     estimate list every epoch (100,000 epochs: 7 s and a 20 MB summary.json)."""
     import data_stream
-    tokens = sum(len(doc) + 1 for doc in split_documents(data_stream.get_tokenizer(tok_dir), "train"))
+    tokens = sum(len(doc) + 1 for doc in split_documents(data_stream.get_tokenizer(tok_dir), args, "train"))
     steps_per_epoch = math.ceil(math.ceil(tokens / (args.max_seq_len - 2)) / args.batch_size)
     return math.ceil(args.steps / steps_per_epoch) + 1
 
 
 def run_ours(args, seed, tok_dir, run_dir, env):
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--model-size",
-           args.model_size, "--tokenizer", tok_dir, "--batch-size", str(args.batch_size), "--max-seq-len",
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--corpus",
+           corpus_flag(args, "train"), "--eval-corpus", corpus_flag(args, "eval"), "--model-size", args.model_size,
+           "--tokenizer", tok_dir, "--batch-size", str(args.batch_size), "--max-seq-len",
            str(args.max_seq_len), "--lr", str(args.lr), "--warmup", str(args.warmup), "--weight-decay",
            str(args.weight_decay), "--dropout", str(args.dropout), "--clip", "1.0", "--seed", str(seed),
            "--max-steps", str(args.steps), "--epochs", str(epochs_needed(args, tok_dir)),
@@ -143,7 +179,7 @@ def trainer_worker(args):
     import pretrain_ddp
     tok = data_stream.get_tokenizer(args.tokenizer)
     # run_mlm.py, line_by_line=False, one record per document: tokenize (with [CLS]/[SEP]), concatenate, cut
-    ids = [t for doc in split_documents(tok, "train") for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
+    ids = [t for doc in split_documents(tok, args, "train") for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
     n = args.max_seq_len
     blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
               for i in range(0, len(ids) // n * n, n)]
@@ -185,8 +221,8 @@ def trainer_worker(args):
 def run_trainer(args, seed, tok_dir, run_dir, env):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trainer", "--seed", str(seed), "--tokenizer",
            tok_dir, "--run-dir", run_dir]
-    for flag in ("model_size", "lr", "batch_size", "max_seq_len", "steps", "eval_every", "warmup", "weight_decay",
-                 "dropout"):
+    for flag in ("corpus", "out_dir", "model_size", "lr", "batch_size", "max_seq_len", "steps", "eval_every", "warmup",
+                 "weight_decay", "dropout"):
         cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
@@ -199,14 +235,15 @@ def run_trainer(args, seed, tok_dir, run_dir, env):
 class Evaluator:
     """Held-out windows masked once (fixed seed) + baselines; score(state_dict or HF folder) -> loss, accuracy."""
 
-    def __init__(self, tok_dir, max_seq_len=128, mask_prob=0.15, seed=1234, batch_size=32):
+    def __init__(self, tok_dir, args, mask_prob=0.15, batch_size=32):
         import numpy as np
         import torch
 
         import data_stream
         self.tok = tok = data_stream.get_tokenizer(tok_dir)
+        max_seq_len, seed = args.max_seq_len, args.mask_seed
         self.max_seq_len, self.batch_size = max_seq_len, batch_size
-        stream = [t for doc in split_documents(tok, "eval") for t in [*doc, tok.sep_token_id]]
+        stream = [t for doc in split_documents(tok, args, "eval") for t in [*doc, tok.sep_token_id]]
         width = max_seq_len - 2
         rows = [[tok.cls_token_id, *stream[i:i + width], tok.sep_token_id]
                 for i in range(0, len(stream) // width * width, width)]
@@ -222,7 +259,7 @@ class Evaluator:
         ids[swap] = rng.choice(normal, int(swap.sum()))
         self.ids, self.labels = torch.from_numpy(ids), torch.from_numpy(labels)
         targets = labels[labels != -100]
-        counts = np.bincount([t for doc in split_documents(tok, "train") for t in doc], minlength=len(tok))
+        counts = np.bincount([t for doc in split_documents(tok, args, "train") for t in doc], minlength=len(tok))
         probs = (counts + 1) / (counts + 1).sum()  # add-one: every target has some probability
         self.info = {"windows": len(rows), "masked": len(targets), "eval_tokens": len(stream),
                      "most_frequent_token": tok.convert_ids_to_tokens(int(counts.argmax())),
@@ -256,6 +293,48 @@ class Evaluator:
         return {"loss": loss_sum / masked, "accuracy": correct / masked}
 
 
+# ----------------------------------------------------------------------------- the data order
+
+def quarters(batches):
+    """Mean distinct documents per full batch in each quarter of an epoch's batches (lists of per-row doc lists)."""
+    full = [b for b in batches if len(b) == len(batches[0])]
+    return [float(np.mean([len({d for row in b for d in row}) for b in part]))
+            for part in np.array_split(np.array(full, dtype=object), 4)]
+
+
+def order_table(args, tok_dir, epochs=3):
+    """Distinct documents per batch by quarter of the epoch: our stream (one worker, as the default CPU run), the same
+    windows globally shuffled, and the Trainer's blocks; mean over --seeds and the first `epochs` epochs."""
+    import data_stream
+    tok = data_stream.get_tokenizer(tok_dir)
+    b = args.batch_size
+    stream = {}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        stream[seed] = data_stream.BertPretrainStream(corpus_flag(args, "train"), tok, objective="mlm", batch_size=b,
+                                                      max_seq_len=args.max_seq_len, seed=seed, rank=0, world_size=1)
+    docs = split_documents(tok, args, "train")
+    owner = [d for d, doc in enumerate(docs) for _ in range(len(doc) + 2)]  # [CLS] doc [SEP], as run_mlm
+    n = args.max_seq_len
+    blocks = [sorted(set(owner[i:i + n])) for i in range(0, len(owner) // n * n, n)]
+    rows = {"ours (stream)": [], "ours' windows, global shuffle": [], "Trainer blocks (shuffled)": []}
+    for seed, s in stream.items():
+        for epoch in range(epochs):
+            s.set_epoch(epoch)
+            ours = [docs_of for _, docs_of in s.batches()]
+            rows["ours (stream)"].append(quarters(ours))
+            rng = np.random.default_rng([seed, epoch])
+            windows = [w for batch in ours for w in batch]
+            for name, units in (("ours' windows, global shuffle", windows), ("Trainer blocks (shuffled)", blocks)):
+                units = [units[i] for i in rng.permutation(len(units))]
+                rows[name].append(quarters([units[i:i + b] for i in range(0, len(units), b)]))
+    print(f"distinct documents per batch of {b} by quarter of the epoch ({args.corpus}, {len(docs)} train documents, "
+          f"seeds {args.seeds}, epochs 0-{epochs - 1}):")
+    print("| order | Q1 | Q2 | Q3 | Q4 | Q4 / Q1 |\n| --- | --- | --- | --- | --- | --- |")
+    for name, values in rows.items():
+        q = np.mean(values, axis=0)
+        print(f"| {name} | " + " | ".join(f"{v:.1f}" for v in q) + f" | {q[3] / q[0]:.2f} |")
+
+
 # ----------------------------------------------------------------------------- main
 
 def fmt_pair(values, key, pct):
@@ -272,6 +351,8 @@ def main():
     os.makedirs(args.out_dir, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
     tok_dir = make_tokenizer(args, env)
+    if args.order_table:
+        return order_table(args, tok_dir)
     print(f"BERT-{args.model_size}, lr {args.lr}, batch {args.batch_size} x seq {args.max_seq_len}, {args.steps} "
           f"steps (warmup {lr_plan(args)['warmup']}), eval at {eval_steps(args)}, seeds {seeds}, "
           f"{args.threads} thread(s) per run", flush=True)
@@ -294,7 +375,7 @@ def main():
             minutes[side, seed] = (time.perf_counter() - t0) / 60
             saved[side, seed] = paths
             print(f"  {side} seed {seed}: {minutes[side, seed]:.1f} min", flush=True)
-    evaluator = Evaluator(tok_dir, args.max_seq_len, seed=args.mask_seed)
+    evaluator = Evaluator(tok_dir, args)
     info = evaluator.info
     scores = {key: {s: evaluator.score(p, args.model_size) for s, p in paths.items()} for key, paths in saved.items()}
     rows, verdicts = [], []

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import torch
-from conftest import write_corpus
+from conftest import ROOT, write_corpus
 from test_checkpoints import TORCHRUN as STANDALONE
 from test_checkpoints import final_weights, run_until
 from test_pretrain_ddp import SCRIPT, env
@@ -76,14 +76,14 @@ def kill(nodes, workers_only=False):
                 pass
 
 
-def run_nodes(nodes, launches, args, on_line=None, timeout=150, extra=((), ())):
-    """One torchrun agent per node (node k's command line ends with extra[k]); on_line(k, line)
-    sees every stdout line of node k. Returns [(exit code, stdout, stderr)] per node; a job past
-    timeout is killed and fails the test."""
+def run_nodes(nodes, launches, args, on_line=None, timeout=150, extra=((), ()), variables=({}, {})):
+    """One torchrun agent per node (node k's command line ends with extra[k], its environment has
+    variables[k]); on_line(k, line) sees every stdout line of node k. Returns [(exit code, stdout,
+    stderr)] per node; a job past timeout is killed and fails the test."""
     procs = [subprocess.Popen([*AGENT, *launch, SCRIPT, *args, *more], cwd=node, text=True, start_new_session=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env(), "BERT_DDP_CACHE": os.path.join(node, "cache")})
-             for node, launch, more in zip(nodes, launches, extra, strict=True)]
+                              env={**env(), "BERT_DDP_CACHE": os.path.join(node, "cache"), **more_variables})
+             for node, launch, more, more_variables in zip(nodes, launches, extra, variables, strict=True)]
     outs, errs = [[] for _ in nodes], [[] for _ in nodes]
 
     def read_out(k):
@@ -158,10 +158,31 @@ def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(tmp_path, corpus):
     assert same_weights(final_weights(ref), final_weights(os.path.join(nodes[0], "run")))
 
 
-@pytest.mark.parametrize("case", ["flags", "corpus differs", "corpus missing", "eval corpus on node 0 only"])
+# On PYTHONPATH of node 1: its tokenizer library reads the same files differently (here: "river" is
+# read as "stone"), as another version of it might. Every file and hash on disk stays rank 0's.
+OTHER_TOKENIZER_LIBRARY = """
+import os
+if "LOCAL_RANK" in os.environ:
+    from tokenizers import normalizers
+
+    import data_stream
+    _get_tokenizer = data_stream.get_tokenizer
+
+    def get_tokenizer(*args, **kwargs):
+        tokenizer = _get_tokenizer(*args, **kwargs)
+        backend = tokenizer.backend_tokenizer
+        backend.normalizer = normalizers.Sequence([backend.normalizer, normalizers.Replace("river", "stone")])
+        return tokenizer
+
+    data_stream.get_tokenizer = get_tokenizer
+"""
+
+
+@pytest.mark.parametrize("case", ["flags", "corpus differs", "corpus missing", "eval corpus on node 0 only",
+                                  pytest.param("tokenizer reads differently", marks=pytest.mark.slow)])
 def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, case):
     nodes = make_nodes(tmp_path, corpus)
-    args, extra = list(ARGS), [[], []]
+    args, extra, variables = list(ARGS), [[], []], [{}, {}]
     if case == "flags":
         extra[1] = ["--lr", "2e-3"]
         expected = r"the command line is not rank 0's: \{'lr': 0.002\} here, \{'lr': 0.001\} on rank 0 \(\S+\)"
@@ -171,16 +192,24 @@ def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, 
     elif case == "corpus missing":
         os.remove(os.path.join(nodes[1], "corpus.txt"))
         expected = r"--corpus path corpus.txt does not exist"
-    else:
+    elif case == "eval corpus on node 0 only":
         shutil.copy(corpus, os.path.join(nodes[0], "eval.txt"))
         args[args.index("--eval-corpus") + 1] = "eval.txt"
         expected = r"--eval-corpus eval.txt: --corpus path eval.txt does not exist \(rank 0 has it"
-    results = run_nodes(nodes, static(free_port()), args, timeout=120, extra=extra)
+    else:  # rank 0 trains the tokenizer and sends its files; node 1 loads them into another tokenizer
+        patch = tmp_path / "other_tokenizer_library"
+        patch.mkdir()
+        (patch / "sitecustomize.py").write_text(OTHER_TOKENIZER_LIBRARY)
+        variables[1] = {"PYTHONPATH": os.pathsep.join([str(patch), ROOT])}
+        expected = r"the tokenizer is not rank 0's: \w{16} here, \w{16} on rank 0 \(\S+\)$"
+    results = run_nodes(nodes, static(free_port()), args, timeout=120, extra=extra, variables=variables)
     assert all(rc != 0 for rc, _, _ in results)
     errors = [line for _, _, err in results for line in err.splitlines() if "pretrain_ddp.py: error" in line]
     assert len(errors) == 1, errors  # said once, by the rank that differs, on its own node
     assert re.search(r"^pretrain_ddp.py: error: rank 1 on \S+: " + expected, errors[0]), errors[0]
     assert "pretrain_ddp.py: error: rank 1" in results[1][2]
+    for k, (_, _, err) in enumerate(results):  # every rank stopped by itself, with code 2 (torchrun's report)
+        assert re.search(rf"rank\s*: {k} \(local_rank: 0\)\s*exitcode\s*: 2 ", err), err[-3000:]
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +261,7 @@ def test_restarts_used_up_end_every_agent_with_one_line(tmp_path, corpus, tok_di
             kill([nodes[1 - k]], workers_only=True)
 
     results = run_nodes(nodes, elastic(free_port(), max_restarts=0), [*ARGS, "--tokenizer", tok_dir],
-                        kill_the_other_worker, timeout=90)
+                        kill_the_other_worker, timeout=240)  # a hang guard, far above a run under load
     assert killed and all(rc != 0 for rc, _, _ in results)  # both agents ended by themselves
     errors = [line for _, _, err in results for line in err.splitlines() if "pretrain_ddp.py: error" in line]
     assert len(errors) == 1 and re.match(r"pretrain_ddp.py: error: rank 0 on \S+: lost the other ranks \(.*"
