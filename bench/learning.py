@@ -108,7 +108,8 @@ def corpus_paths(args):
     os.makedirs(os.path.dirname(paths["train"]), exist_ok=True)
     for split, part in (("eval", docs[::10]), ("train", [d for i, d in enumerate(docs) if i % 10])):
         if not os.path.exists(paths[split]):
-            data_stream._atomic_write_text(paths[split], "\n\n".join("\n".join(d) for d in part) + "\n")
+            text = "\n\n".join("\n".join(d) for d in part) + "\n"
+            data_stream.atomic_write(paths[split], lambda f, text=text: f.write(text), "w")
     return paths
 
 

@@ -356,9 +356,10 @@ def distinct_per_quarter(batches):
 def test_mixture_stays_the_same_all_epoch(tmp_path, tokenizer, objective):
     """Issue 29: 60 short documents and 10 long ones, all open at once. A draw proportional to
     what each open document has left keeps the mixture of a batch the same from the first quarter
-    of the epoch to the last, as a global shuffle does: here 11.8 / 10.7 / 11.6 / 11.6 distinct
-    documents per batch (mlm). The old uniform draw over the open documents took the short ones
-    first and ended the epoch on the few long ones: 20.8 / 8.4 / 8.1 / 6.9 (nsp 14.0 ... 5.2)."""
+    of the epoch to the last, as a global shuffle does: here 10.1 / 10.0 / 10.2 / 9.9 distinct
+    documents per batch by quarter (mlm; nsp 9.8 / 9.6 / 9.6 / 9.6). The old uniform draw over the
+    open documents took the short ones first and ended the epoch on the few long ones: 15.3 / 8.0 /
+    7.9 / 6.9 (nsp 12.6 / 8.1 / 8.0 / 6.1)."""
     path = write_corpus(tmp_path / "skew.txt", 70, seed=3, skew=[2] * 60 + [120] * 10)
     quarters = []
     for seed in range(3):
