@@ -79,7 +79,8 @@ def parse_args(argv=None):
     optim = p.add_argument_group("optimization")
     optim.add_argument("--batch-size", type=number(int, 1), default=32, help="micro-batch per rank")
     optim.add_argument("--accum-steps", type=number(int, 1), default=1, help="micro-batches per optimizer step")
-    optim.add_argument("--lr", type=number(float, 0, low_open=True), default=1e-3, help="peak learning rate")
+    optim.add_argument("--lr", type=number(float, 0), default=1e-3,
+                       help="peak learning rate (0 trains nothing: the weights stay, e.g. to evaluate)")
     optim.add_argument("--warmup", type=number(float, 0, 1), default=estimate_steps.WARMUP,
                        help="fraction of the planned steps with linear warmup")
     optim.add_argument("--weight-decay", type=number(float, 0), default=0.01,
