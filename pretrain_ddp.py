@@ -1600,6 +1600,19 @@ def leave_group():
         dist.destroy_process_group()
 
 
+def exit_now(code):
+    """End the process without the interpreter's teardown, once the work is done and said: it
+    destroys C++ objects in an order nobody controls, and a joinable std::thread destroyed there
+    aborts the rank ('terminate called without an active exception', SIGABRT) after a finished
+    job: seen in 1 of 10 short 2-rank jobs under heavy load (BENCHMARKS.md section 14). torchrun
+    then reports the job as failed, and with --max-restarts it restarts a finished job. What
+    teardown would still do is done before: the summary, the export and the trackers are written,
+    the loaders' workers end with their trainer (quiet_worker), the process group is destroyed."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     data_stream.check_versions("pretrain_ddp.py")
     try:
@@ -1607,20 +1620,22 @@ if __name__ == "__main__":
     except USER_ERRORS as e:  # found before the ranks could agree (in the flags): each node says it once
         if GROUP["store"] is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
             say_error(str(e))
-        sys.exit(2)
+        exit_now(2)
     except SystemExit as e:  # the ranks agreed to stop (agree/verify): they leave together
         if e.code == 2:
             leave_group()
-        raise
+        if e.code is not None and not isinstance(e.code, int):
+            print(e.code, file=sys.stderr)
+        exit_now(e.code if isinstance(e.code, int) else 1 if e.code is not None else 0)
     except RuntimeError as e:  # a peer died or timed out: which rank noticed, in one line
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if message.startswith("DataLoader timed out"):
             say_error(f"no batch from this rank's DataLoader workers within --dist-timeout ({message}); a worker "
                       "hung, or the corpus reads too slowly for that timeout")
-            sys.exit(1)
+            exit_now(1)
         if not isinstance(e, dist.DistError) and "gloo" not in message and "NCCL" not in message:
             raise  # not the process group's: a bug, keep its traceback
         say_error(f"lost the other ranks ({message[:300]}); the first error above, from another rank or "
                   "from torchrun, says why")
-        sys.exit(1)
-
+        exit_now(1)
+    exit_now(0)
