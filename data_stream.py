@@ -9,7 +9,7 @@ English prose that ships with CPython (the pydoc topics plus standard library do
 nothing is ever downloaded.
 
     python data_stream.py --show 3                 # decoded samples from the builtin corpus
-    python data_stream.py --corpus my_texts/ --bench
+    python bench/stream_bench.py --corpus my_texts/  # one worker's rate next to the bare tokenizer
     python data_stream.py --corpus wiki.jsonl.gz --build-cache   # tokenize ahead, on all cores
 
 The layers, one section each, each knowing only the one below it:
@@ -1187,7 +1187,7 @@ class BertPretrainStream(IterableDataset):
 
     def batches(self):
         """(batch, the documents each of its samples came from): what __iter__ yields, plus the
-        documents, for measuring how well batches mix (--bench)."""
+        documents, for measuring how well batches mix (bench/stream_bench.py)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info else (1, 0)
         num_shards = self.world_size * num_workers
@@ -1361,22 +1361,16 @@ def build_cache(stream):
 
 def main(argv=None):
     parser = Parser(prog="data_stream.py",
-                    description="Stream BERT pretraining samples: show some, time one worker, "
-                                "or fill the token cache ahead of training.",
+                    description="Stream BERT pretraining samples: show some, or fill the token cache "
+                                "ahead of training (one worker's rate: bench/stream_bench.py).",
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_data_args(parser)
     parser.add_argument("--batch-size", type=number(int, 1), default=32, help="samples per batch")
     parser.add_argument("--show", type=number(int, 0), default=0, metavar="N",
                         help="print N decoded samples ([MASK] visible)")
-    parser.add_argument("--bench", action="store_true",
-                        help="time one worker over the corpus (up to --bench-seconds) next to the bare tokenizer")
-    parser.add_argument("--bench-seconds", type=number(float, 0, low_open=True), default=20.0,
-                        help="time budget of --bench")
     parser.add_argument("--build-cache", action="store_true", help="tokenize the whole corpus into the token cache now")
     args = parser.parse_args(argv)
     check_versions("data_stream.py")
-    if args.bench:  # one worker's rate is one core's: a DataLoader worker tokenizes on one thread
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
         stream = stream_from_args(args, rank=0, world_size=1)
         print(f"corpus: {len(stream.corpus.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
@@ -1384,8 +1378,6 @@ def main(argv=None):
             build_cache(stream)
         if args.show:
             show(stream, args.show)
-        if args.bench:
-            bench(stream, args.bench_seconds)
     except CorpusError as e:
         sys.exit(f"data_stream.py: error: {e}")
 
@@ -1404,40 +1396,6 @@ def show(stream, count):
             print(stream.tokenizer.decode(ids.tolist()))
             print("  targets:", stream.tokenizer.decode(masked.tolist()))
             shown += 1
-
-
-def bench(stream, seconds):
-    """One worker: time to the first batch, samples/s and tokens/s, distinct documents per batch,
-    next to the bare tokenizer on about the same amount of text."""
-    t0, samples, tokens, epoch, first, distinct, full = time.perf_counter(), 0, 0, 0, None, 0, 0
-    while time.perf_counter() - t0 < seconds:  # whole epochs until the time budget is spent
-        stream.set_epoch(epoch)
-        for batch, docs in stream.batches():
-            first = first or time.perf_counter() - t0
-            samples += len(batch["input_ids"])
-            tokens += int(batch["attention_mask"].sum())
-            if len(batch["input_ids"]) == stream.batch_size:
-                distinct, full = distinct + len({d for ds in docs for d in ds}), full + 1
-            if time.perf_counter() - t0 > seconds:
-                break
-        epoch += 1
-    stream_s = time.perf_counter() - t0
-    lines, chars, docs, t0 = [], 0, 0, time.perf_counter()
-    for doc_id in range(stream.num_docs):
-        doc_lines = stream.corpus.read(doc_id)
-        lines += doc_lines
-        chars, docs = chars + sum(map(len, doc_lines)), docs + 1
-        if chars > 4 * tokens:  # ~4 characters per token: about the same amount of text
-            break
-    t1 = time.perf_counter()
-    encoded = stream.tokenizer.backend_tokenizer.encode_batch(lines, add_special_tokens=False)
-    bare_tokens = sum(len(e.ids) for e in encoded)
-    tok_s = time.perf_counter() - t1
-    print(f"stream: {samples / stream_s:,.0f} samples/s, {tokens / stream_s:,.0f} tokens/s (one worker, "
-          f"{stream_s:.1f} s, {epoch} epoch(s)); first batch after {first or 0:.2f} s; "
-          f"{distinct / max(full, 1):.1f} distinct documents per batch of {stream.batch_size}")
-    print(f"bare tokenizer encode_batch, one thread: {bare_tokens / tok_s:,.0f} tokens/s on {docs} documents "
-          f"(read {t1 - t0:.2f} s)")
 
 
 if __name__ == "__main__":
