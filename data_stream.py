@@ -31,7 +31,6 @@ The layers, one section each, each knowing only the one below it:
 
 import argparse
 import ast
-import collections
 import contextlib
 import fcntl
 import glob
@@ -59,7 +58,6 @@ MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bou
 MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
-ROW_GROUP_CACHE_BYTES = 1 << 27  # decoded parquet row groups a process keeps (cold reads only)
 PIECE_TOKENS = 1 << 23      # the token cache is written in pieces of about this many tokens (16 MB)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 INDEX_VERSION, CACHE_VERSION = 2, 1  # bump when the index or cache layout changes
@@ -235,16 +233,15 @@ def resolve_corpus(spec, split="train"):
     return files
 
 
-def _pyarrow(path):
+def _arrow_corpus(path):
+    """arrow_corpus.py, the only code that needs pyarrow: imported when a parquet/Arrow file is read."""
     try:
-        import pyarrow  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        import arrow_corpus
     except ImportError as e:
         # a pyarrow built for another numpy fails here too: say what the import said
         raise CorpusError(f"corpus file {path} needs pyarrow, which did not import ({e}): "
                           "pip install -U pyarrow") from None
-    import pyarrow as pa
-    return pa
+    return arrow_corpus
 
 
 def _text_parts(text_lengths, max_doc_bytes):
@@ -333,56 +330,12 @@ def _index_jsonl(path, text_field, max_doc_bytes, name):
             "part": part.astype(np.int32), "bytes": size, "bad": bad, "empty": empty}
 
 
-def _arrow_table(path, pa):
-    """A save_to_disk .arrow file (Arrow stream format; the file format too), memory-mapped."""
-    source = pa.memory_map(path)
-    try:
-        return pa.ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid:
-        return pa.ipc.open_file(source).read_all()
-
-
-def _text_column(path, schema, text_field, pa):
-    if text_field not in schema.names:
-        raise CorpusError(f"{path} has no column {text_field!r} (it has: {', '.join(schema.names)}); "
-                          "name the text with --text-field")
-    kind = schema.field(text_field).type
-    if pa.types.is_dictionary(kind):  # pandas categoricals
-        kind = kind.value_type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-        raise CorpusError(f"{path}: column {text_field!r} is {kind}, not text; name the text with --text-field")
-
-
-def _index_table(path, fmt, text_field, max_doc_bytes):
-    """parquet: (row group, row) per record; arrow: (0, row). The text column is read once here for
-    the lengths (byte balance of the shards) and the empty records."""
-    pa = _pyarrow(path)
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-    try:
-        if fmt == "parquet":
-            pf = pq.ParquetFile(path)
-            _text_column(path, pf.schema_arrow, text_field, pa)
-            columns = [(g, pf.read_row_group(g, columns=[text_field]).column(0)) for g in range(pf.num_row_groups)]
-        else:
-            table = _arrow_table(path, pa)
-            _text_column(path, table.schema, text_field, pa)
-            columns = [(0, table.column(text_field))]
-    except (OSError, pa.ArrowException) as e:
-        raise CorpusError(f"corpus file {path} does not read as {fmt} ({str(e).splitlines()[0]})") from None
-    groups, rows, lengths, empty = [], [], [], 0
-    for group, column in columns:
-        column = column.cast(pa.large_string())  # dictionary-encoded and all-null columns too
-        length = pc.fill_null(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0).to_numpy()
-        keep = np.flatnonzero(length > 0)
-        empty += len(length) - len(keep)
-        groups.append(np.full(len(keep), group, np.int64)), rows.append(keep)
-        lengths.append(pc.fill_null(pc.utf8_length(column), 0).to_numpy()[keep])
-    if not columns:  # a parquet file with no row group: an empty shard of an export
-        groups, rows, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    record, part, size = _text_parts(np.concatenate(lengths), max_doc_bytes)
-    return {"start": np.concatenate(groups)[record], "end": np.concatenate(rows).astype(np.int64)[record],
-            "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
+def _index_records(path, fmt, text_field, max_doc_bytes):
+    """parquet: (row group, row) per record; arrow: (0, row) (arrow_corpus.py reads them)."""
+    group, row, lengths, empty = _arrow_corpus(path).index_records(path, fmt, text_field, CorpusError)
+    record, part, size = _text_parts(lengths, max_doc_bytes)
+    return {"start": group[record], "end": row[record], "part": part.astype(np.int32), "bytes": size, "bad": 0,
+            "empty": empty}
 
 
 def _index_file(path, fmt, text_field, max_doc_bytes, name):
@@ -399,7 +352,7 @@ def _index_file(path, fmt, text_field, max_doc_bytes, name):
                 elif fmt == "jsonl":
                     index = _index_jsonl(path, text_field, max_doc_bytes, name)
                 else:
-                    index = _index_table(path, fmt, text_field, max_doc_bytes)
+                    index = _index_records(path, fmt, text_field, max_doc_bytes)
             except OSError as e:
                 raise CorpusError(f"corpus file {name} cannot be read ({e.strerror or e})") from None
             atomic_write(cached, lambda f: np.savez(f, **index))
@@ -490,11 +443,8 @@ class Corpus:
             path, fmt = self.files[file_id], self.formats[file_id]
             if fmt in ("text", "jsonl"):
                 self._open[file_id] = open(path, "rb")
-            elif fmt == "parquet":
-                import pyarrow.parquet as pq
-                self._open[file_id] = (pq.ParquetFile(path), collections.OrderedDict())  # file, decoded row groups
             else:
-                self._open[file_id] = _arrow_table(path, _pyarrow(path)).column(self.text_field)
+                self._open[file_id] = _arrow_corpus(path).open_records(path, fmt, self.text_field)
         return self._open[file_id]
 
     def _record_text(self, doc_id):
@@ -504,15 +454,7 @@ class Corpus:
         if fmt == "jsonl":
             handle.seek(start)
             return _json_text(handle.read(end - start), self.files[file_id], "?", self.text_field)
-        if fmt == "parquet":  # a row is read by decoding its row group: recent ones are kept
-            parquet, groups = handle
-            if start not in groups:
-                groups[start] = parquet.read_row_group(start, columns=[self.text_field]).column(0)
-                while len(groups) > 1 and sum(g.nbytes for g in groups.values()) > ROW_GROUP_CACHE_BYTES:
-                    groups.popitem(last=False)
-            groups.move_to_end(start)
-            return groups[start][end].as_py()
-        return handle[end].as_py()
+        return _arrow_corpus(self.files[file_id]).record_text(handle, fmt, start, end, self.text_field)
 
     def read(self, doc_id):
         """A document's non-blank sentences (text: its lines), long lines cut into pieces."""
