@@ -32,6 +32,7 @@ The layers, one section each, each knowing only the one below it:
 import argparse
 import ast
 import contextlib
+import copy
 import fcntl
 import glob
 import gzip
@@ -773,6 +774,47 @@ def random_segment(ids, bounds, frac, target_len):
     return ids[bounds[start]:bounds[min(max(end, start + 1), n)]]
 
 
+def random_segment_of_lines(tokenizer, lines, frac, target_len):
+    """random_segment of a document that is not in the token cache: only the sentences needed are
+    tokenized (from frac of its lines on), not the whole document."""
+    start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
+    step = 2  # lines tokenized at a time, doubling: most random segments need a few sentences
+    while 0 <= start < len(lines) and have < max(target_len, 1):
+        i, bd = tokenize_lines(tokenizer, lines[start:start + step])
+        ids.append(i), bounds.append(bd[1:] + have)
+        have, start, step = have + len(i), start + step, 2 * step
+    return random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
+
+
+def pair_sample(ids, starts, ends, plan, rng, random_b, cls_id, sep_id, max_num_tokens):
+    """One nsp sample, [CLS] A [SEP] B [SEP], from a plan of plan_pairs over a document whose
+    sentence i is ids[starts[i]:ends[i]]; random_b(doc_id, frac, target_len) reads a random next
+    segment. Returns (ids, masking draws, where B starts, next-sentence label)."""
+    a_start, a_end, b_end, random_doc, frac, target_len = plan
+    a = ids[starts[a_start]:ends[a_end - 1]]
+    b = random_b(random_doc, frac, target_len - len(a)) if random_doc >= 0 else ids[starts[a_end]:ends[b_end - 1]]
+    a, b = truncate_pair(a, b, max_num_tokens, rng)
+    sample = np.concatenate([[cls_id], a, [sep_id], b, [sep_id]]).astype(np.int64)
+    return sample, rng.random((3, len(sample)), dtype=np.float32), len(a) + 2, int(random_doc >= 0)
+
+
+def packed_window(parts, cls_id, sep_id):
+    """An mlm sample from (ids, draws, doc_id) parts: [CLS] parts [SEP]; the edges are never masked."""
+    ids = np.concatenate([[cls_id], *[p[0] for p in parts], [sep_id]]).astype(np.int64)
+    edge = np.ones((3, 1), np.float32)
+    draws = np.concatenate([edge, *[p[1] for p in parts], edge], axis=1)
+    return ids, draws, sorted({p[2] for p in parts}), len(ids), 0
+
+
+def token_tables(tokenizer):
+    """What mask_batch looks ids up in: special tokens, ## continuation pieces, the random ids."""
+    special_table = np.zeros(len(tokenizer), bool)
+    special_table[sorted(set(tokenizer.all_special_ids))] = True
+    continuation_table = np.zeros(len(tokenizer), bool)
+    for token, i in tokenizer.get_vocab().items():
+        continuation_table[i] = token.startswith("##")
+    return special_table, continuation_table, np.flatnonzero(~special_table)
+
 def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_ids, mask_prob,
                whole_word):
     """BERT dynamic masking of a padded batch in place; returns the labels (-100: not predicted).
@@ -794,6 +836,27 @@ def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_id
     ids[replace] = random_ids[(draws[2][replace] * len(random_ids)).astype(np.int64)]
     return labels
 
+
+def collate(samples, cursor, pad_id, max_seq_len, mask, nsp):
+    """(ids, draws, doc ids, type_start, nsp label) samples -> a batch of tensors; mask(ids, draws)
+    masks the padded ids in place and returns the labels (mask_batch)."""
+    # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
+    lengths = np.array([len(s[0]) for s in samples])
+    width = min(max_seq_len, -(-int(lengths.max()) // 8) * 8)
+    ids = np.full((len(samples), width), pad_id, np.int64)
+    draws = np.ones((3, len(samples), width), np.float32)  # 1.0: never chosen
+    types = np.zeros((len(samples), width), np.int64)
+    for row, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
+        ids[row, :lengths[row]] = sample_ids
+        draws[:, row, :lengths[row]] = sample_draws
+        types[row, type_start:lengths[row]] = 1
+    labels = mask(ids, draws)
+    attention = (np.arange(width) < lengths[:, None]).astype(np.int64)
+    batch = {"input_ids": torch.from_numpy(ids), "token_type_ids": torch.from_numpy(types),
+             "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels), "cursor": cursor}
+    if nsp:
+        batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
+    return batch
 
 # ============================================================================= 5. order and shards
 
@@ -821,7 +884,126 @@ def fresh_position(num_open, shard_size):
     return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k}
 
 
-# ============================================================================= the stream
+def empty_state(epoch):
+    """The cursor state of an epoch nothing of which was consumed."""
+    return {"epoch": epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": [], "partial": {}}
+
+
+def reshard_state(state, num_shards, doc_bytes, seed, shuffle):
+    """A state written for state["num_shards"] shards (merged over every rank), for num_shards.
+
+    Documents the old sharding finished are left out, a partly read one goes on from the unit
+    where it stopped ('partial'), the rest is cut into new shards. Both accumulate, so a chain of
+    resizes reads every sample of a document once."""
+    old = shard_documents(doc_bytes, seed, state["epoch"], state["num_shards"], shuffle,
+                          np.array(state["exclude"], np.int64))
+    exclude, partial = set(state["exclude"]), state["partial"]
+    for s, pos in state["positions"].items():
+        shard = old[int(s)]
+        still_open = {p for p in pos["open"] if p >= 0}
+        exclude.update(int(shard[p]) for p in range(pos["next"]) if p not in still_open)
+        partial.update({str(int(shard[p])): t for p, t in zip(pos["open"], pos["taken"], strict=True)
+                        if p >= 0 and t > 0})
+    return {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
+            "exclude": sorted(exclude), "partial": {d: t for d, t in partial.items() if int(d) not in exclude}}
+
+
+def worker_shard(rank, num_workers, worker_id, last_shard):
+    """The shard a DataLoader worker reads. DataLoader takes batches round-robin from worker 0; after
+    a resume the old run's next batch was due from the worker after the last one consumed
+    (last_shard), so new worker 0 plays that role."""
+    rotate = 0 if last_shard is None else (last_shard - rank * num_workers + 1) % num_workers
+    return rank * num_workers + (worker_id + rotate) % num_workers
+
+
+def shard_draws(seed, epoch, shard, num_shards):
+    """Uniform number n in [0, 1) of a shard (it picks the open document that gives the next
+    unit), made in blocks keyed by position: a resume at draw n needs no RNG state."""
+    block = {}
+
+    def draw(n):
+        if n // 4096 not in block:
+            block.clear()
+            block[n // 4096] = np.random.default_rng([seed, epoch, 6, shard, num_shards, n // 4096]).random(4096)
+        return block[n // 4096][n % 4096]
+    return draw
+
+def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, partial):
+    """Units of one shard, each from an open document drawn with probability proportional to
+    the draws it has left: open_units(doc_id) -> a document's units, take(units, k) -> (unit,
+    next k) takes what follows index k of them (one draw), size(units) is where they end, per_draw
+    the units a draw takes at most; draw(n) is the shard's n-th uniform number (shard_draws) and
+    `partial` how far documents were read before a resize (reshard_state). `position` (the
+    cursor) is updated in place: which shard documents are open ('open': places in the shard, -1
+    once none is left), how far each is read ('taken'), the next place to open, the draws made.
+
+    Weighted, not uniform, so the pool drains evenly: each open document loses the same share
+    of what it has left per draw, and a batch mixes documents alike from the first quarter of
+    the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
+    first and ends every shard on its few longest ones). The weights are a pure function of the
+    cursor (and the corpus): a resume draws the same documents. A document is read when it
+    enters the pool, to be weighed (memory stays --shuffle-docs documents, as before; the first
+    batch of a shard waits for them: 0.15-0.2 s on builtin, up to --shuffle-docs x
+    --max-doc-bytes of text to tokenize without the token cache). A size from the index would
+    differ by format (a text file counts each document's last newline): the same records as text
+    or as jsonl would be drawn in another order."""
+    opened, taken = position["open"], position["taken"]
+    live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
+
+    def weight(slot):
+        """The draws left in a slot (0: closed; an empty document 1, so that a draw replaces it)."""
+        if opened[slot] < 0:
+            return 0
+        if slot not in live:
+            doc_id = int(shard_docs[opened[slot]])
+            live[slot] = open_units(doc_id)
+            # a document partly read before a resize goes on from where it stopped
+            taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
+        return max(-(-(size(live[slot]) - taken[slot]) // per_draw), 1)
+
+    weights = np.array([weight(s) for s in range(len(opened))], np.int64)
+    while weights.any():
+        cum = np.cumsum(weights)
+        slot = int(np.searchsorted(cum, draw(position["draw"]) * cum[-1], side="right"))
+        units, k = live[slot], taken[slot]
+        end = size(units)
+        if k < end:  # else an empty document: replaced, and the same draw used again
+            unit, taken[slot] = take(units, k)
+            position["draw"] += 1
+        if taken[slot] >= end:
+            del live[slot]
+            if position["next"] < len(shard_docs):
+                opened[slot], taken[slot] = position["next"], 0
+                position["next"] += 1
+            else:
+                opened[slot] = -1
+        weights[slot] = weight(slot)
+        if k < end:
+            yield unit
+
+
+def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_id, sep_id):
+    """The mlm samples of a shard: a window of `width` tokens is filled from a drawn document up to
+    the window's end or the document's (its [SEP]), then from the next drawn one: documents change
+    only at a [SEP], every window ends at a draw (the cursor needs nothing else), and every token of
+    the shard is in one window."""
+    parts, need = [], [width]
+
+    def take(units, k):
+        ids, draws, doc_id = units
+        end = min(k + need[0], len(ids))
+        return (ids[k:end], draws[:, k:end], doc_id), end
+
+    for part in draw_units(shard_docs, position, draw, open_units, take, lambda units: len(units[0]), width, partial):
+        parts.append(part)
+        need[0] -= len(part[0])
+        if need[0] == 0:
+            yield packed_window(parts, cls_id, sep_id)
+            parts, need[0] = [], width
+    if parts:
+        yield packed_window(parts, cls_id, sep_id)
+
+# ============================================================================= 6. the stream
 
 class BertPretrainStream(IterableDataset):
     """Batches (dicts of tensors) of BERT pretraining samples, one shard per (rank, worker).
@@ -829,6 +1011,7 @@ class BertPretrainStream(IterableDataset):
     objective 'nsp': original BERT sentence pairs with next-sentence labels;
     objective 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
     by [SEP], no padding but at the very end of a shard.
+    State: the epoch, the cursor to resume from, what the trainer consumed, the token cache.
     """
 
     def __init__(self, corpus="builtin", tokenizer=None, split="train", objective="nsp",
@@ -856,15 +1039,8 @@ class BertPretrainStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         tok = self.tokenizer
         self.cls_id, self.sep_id, self.pad_id = tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
-        self.mask_id = tok.mask_token_id
-        self.vocab_size = len(tok)
-        special_ids = sorted(set(tok.all_special_ids))
-        self.special_table = np.zeros(self.vocab_size, bool)
-        self.special_table[special_ids] = True
-        self.continuation_table = np.zeros(self.vocab_size, bool)
-        for token, i in tok.get_vocab().items():
-            self.continuation_table[i] = token.startswith("##")
-        self.random_ids = np.flatnonzero(~self.special_table)
+        self.mask_id, self.vocab_size = tok.mask_token_id, len(tok)
+        self.special_table, self.continuation_table, self.random_ids = token_tables(tok)
         self.cache = token_cache_for(token_cache, self.corpus, tok)
         self.epoch, self.resume, self._consumed = 0, None, None
 
@@ -878,9 +1054,6 @@ class BertPretrainStream(IterableDataset):
     def fingerprint(self):
         return self.corpus.fingerprint()
 
-    def _doc_bytes(self):
-        return self.corpus.doc_bytes()
-
     # --- epochs and cursors (main process)
     def set_epoch(self, epoch):
         self.epoch, self.resume, self._consumed = epoch, None, None
@@ -889,8 +1062,7 @@ class BertPretrainStream(IterableDataset):
         """Record that the trainer used the batch with this cursor (call for every batch it trains on)."""
         shard, position, num_shards = cursor
         if self._consumed is None:
-            self._consumed = {"epoch": self.epoch, "num_shards": num_shards, "positions": {}, "last_shard": None,
-                              "exclude": [], "partial": {}}
+            self._consumed = {**empty_state(self.epoch), "num_shards": num_shards}
         self._consumed["positions"][str(shard)] = position
         self._consumed["last_shard"] = shard
 
@@ -898,10 +1070,7 @@ class BertPretrainStream(IterableDataset):
         """Where the consumed part of this epoch ends: JSON-serialisable. `positions` are per shard of
         a sharding into `num_shards` of the epoch's documents less `exclude` (read before a resize);
         `partial`: units of documents read before a resize (they go on from there)."""
-        if self._consumed is None:
-            return {"epoch": self.epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": [],
-                    "partial": {}}
-        return json.loads(json.dumps(self._consumed))
+        return empty_state(self.epoch) if self._consumed is None else copy.deepcopy(self._consumed)
 
     @staticmethod
     def merge_states(states):
@@ -913,25 +1082,12 @@ class BertPretrainStream(IterableDataset):
         """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
         written with) continues after what `state` says was consumed, also when the number of
         shards (ranks x workers) changed: then `state` must be merge_states() of every rank's."""
-        state = {"exclude": [], "partial": {}, **json.loads(json.dumps(state))}
+        state = {"exclude": [], "partial": {}, **copy.deepcopy(state)}
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
-            # Resharded resume: documents the old sharding finished are left out, a partly read one
-            # goes on from the unit where it stopped ('partial'), the rest is cut into new shards.
-            # Both accumulate, so a chain of resizes reads every sample of a document once.
-            old = shard_documents(self._doc_bytes(), self.seed, state["epoch"], state["num_shards"], self.shuffle,
-                                  np.array(state["exclude"], np.int64))
-            exclude, partial = set(state["exclude"]), state["partial"]
-            for s, pos in state["positions"].items():
-                shard = old[int(s)]
-                still_open = {p for p in pos["open"] if p >= 0}
-                exclude.update(int(shard[p]) for p in range(pos["next"]) if p not in still_open)
-                partial.update({str(int(shard[p])): t for p, t in zip(pos["open"], pos["taken"], strict=True)
-                                if p >= 0 and t > 0})
-            state = {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
-                     "exclude": sorted(exclude), "partial": {d: t for d, t in partial.items() if int(d) not in exclude}}
+            state = reshard_state(state, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle)
         self.epoch, self.resume = state["epoch"], state
-        self._consumed = json.loads(json.dumps(state)) if state["num_shards"] else None
+        self._consumed = copy.deepcopy(state) if state["num_shards"] else None
 
     # --- documents: token ids, from the cache or tokenized now (worker process)
     def document(self, doc_id):
@@ -967,14 +1123,7 @@ class BertPretrainStream(IterableDataset):
         if hit is not None and len(hit[1]) > 1:
             b = random_segment(*hit, frac, target_len)
         else:
-            lines = self.corpus.read(doc_id)
-            start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
-            step = 2  # lines tokenized at a time, doubling: most random segments need a few sentences
-            while 0 <= start < len(lines) and have < max(target_len, 1):
-                i, bd = tokenize_lines(self.tokenizer, lines[start:start + step])
-                ids.append(i), bounds.append(bd[1:] + have)
-                have, start, step = have + len(i), start + step, 2 * step
-            b = random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
+            b = random_segment_of_lines(self.tokenizer, self.corpus.read(doc_id), frac, target_len)
         return b if len(b) else np.array([self.tokenizer.unk_token_id], np.int32)
 
     # --- units: what a draw from an open document takes (nsp: a sample; mlm: tokens of its stream)
@@ -994,134 +1143,19 @@ class BertPretrainStream(IterableDataset):
         so a long document's samples cost nothing until they are used. Its RNG is its own (keyed by
         k): a resumed stream builds sample k without building the ones before it."""
         doc_id, ids, starts, ends, plans = units
-        a_start, a_end, b_end, random_doc, frac, target_len = plans[k]
-        rng = doc_rng(self.seed, self.epoch, doc_id, 1, k)
-        a = ids[starts[a_start]:ends[a_end - 1]]
-        b = self._random_b(random_doc, frac, target_len - len(a)) if random_doc >= 0 else \
-            ids[starts[a_end]:ends[b_end - 1]]
-        a, b = truncate_pair(a, b, self.max_seq_len - 3, rng)  # room for [CLS] A [SEP] B [SEP]
-        sample = np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]]).astype(np.int64)
-        return (sample, rng.random((3, len(sample)), dtype=np.float32), doc_id, len(a) + 2,
-                int(random_doc >= 0)), k + 1
-
-    def _draw_fn(self, shard, num_shards):
-        """Uniform number n in [0, 1) of a shard (it picks the open document that gives the next
-        unit), made in blocks keyed by position: a resume at draw n needs no RNG state."""
-        block = {}
-
-        def draw(n):
-            if n // 4096 not in block:
-                block.clear()
-                block[n // 4096] = np.random.default_rng([self.seed, self.epoch, 6, shard, num_shards,
-                                                          n // 4096]).random(4096)
-            return block[n // 4096][n % 4096]
-        return draw
-
-    def _shard_units(self, shard_docs, position, draw, take, size, per_draw):
-        """Units of one shard, each from an open document drawn with probability proportional to
-        the draws it has left: take(units, k) -> (unit, next k) takes what follows index k of a
-        document's units (one draw), size(units) is where they end, per_draw the units a draw takes
-        at most. `position` (the cursor) is updated in place: which shard documents are open
-        ('open': places in the shard, -1 once none is left), how far each is read ('taken'), the
-        next place to open, the draws made.
-
-        Weighted, not uniform, so the pool drains evenly: each open document loses the same share
-        of what it has left per draw, and a batch mixes documents alike from the first quarter of
-        the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
-        first and ends every shard on its few longest ones). The weights are a pure function of the
-        cursor (and the corpus): a resume draws the same documents. A document is read when it
-        enters the pool, to be weighed (memory stays --shuffle-docs documents, as before; the first
-        batch of a shard waits for them: 0.15-0.2 s on builtin, up to --shuffle-docs x
-        --max-doc-bytes of text to tokenize without the token cache). A size from the index would
-        differ by format (a text file counts each document's last newline): the same records as text
-        or as jsonl would be drawn in another order."""
-        opened, taken = position["open"], position["taken"]
-        partial = (self.resume or {}).get("partial", {})
-        live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
-
-        def weight(slot):
-            """The draws left in a slot (0: closed; an empty document 1, so that a draw replaces it)."""
-            if opened[slot] < 0:
-                return 0
-            if slot not in live:
-                doc_id = int(shard_docs[opened[slot]])
-                live[slot] = self._units(doc_id)
-                # a document partly read before a resize goes on from where it stopped
-                taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
-            return max(-(-(size(live[slot]) - taken[slot]) // per_draw), 1)
-
-        weights = np.array([weight(s) for s in range(len(opened))], np.int64)
-        while weights.any():
-            cum = np.cumsum(weights)
-            slot = int(np.searchsorted(cum, draw(position["draw"]) * cum[-1], side="right"))
-            units, k = live[slot], taken[slot]
-            end = size(units)
-            if k < end:  # else an empty document: replaced, and the same draw used again
-                unit, taken[slot] = take(units, k)
-                position["draw"] += 1
-            if taken[slot] >= end:
-                del live[slot]
-                if position["next"] < len(shard_docs):
-                    opened[slot], taken[slot] = position["next"], 0
-                    position["next"] += 1
-                else:
-                    opened[slot] = -1
-            weights[slot] = weight(slot)
-            if k < end:
-                yield unit
+        ids, draws, type_start, label = pair_sample(  # room for [CLS] A [SEP] B [SEP]
+            ids, starts, ends, plans[k], doc_rng(self.seed, self.epoch, doc_id, 1, k), self._random_b,
+            self.cls_id, self.sep_id, self.max_seq_len - 3)
+        return (ids, draws, [doc_id], type_start, label), k + 1
 
     def _samples(self, shard_docs, position, draw):
         """(ids, draws, doc ids, type_start, nsp label) of each sample of a shard, from `position` on."""
+        partial = (self.resume or {}).get("partial", {})
         if self.objective == "nsp":
-            for ids, draws, doc_id, type_start, label in self._shard_units(
-                    shard_docs, position, draw, self._nsp_sample, lambda units: len(units[4]), 1):
-                yield ids, draws, [doc_id], type_start, label
-            return
-        # mlm: a window of max_seq_len - 2 tokens is filled from a drawn document up to the window's
-        # end or the document's (its [SEP]), then from the next drawn one: documents change only at
-        # a [SEP], every window ends at a draw (the cursor needs nothing else), and every token of
-        # the shard is in one window.
-        width, parts, need = self.max_seq_len - 2, [], [self.max_seq_len - 2]
-
-        def take(units, k):
-            ids, draws, doc_id = units
-            end = min(k + need[0], len(ids))
-            return (ids[k:end], draws[:, k:end], doc_id), end
-
-        for part in self._shard_units(shard_docs, position, draw, take, lambda units: len(units[0]), width):
-            parts.append(part)
-            need[0] -= len(part[0])
-            if need[0] == 0:
-                yield self._window(parts)
-                parts, need[0] = [], width
-        if parts:
-            yield self._window(parts)
-
-    def _window(self, parts):
-        ids = np.concatenate([[self.cls_id], *[p[0] for p in parts], [self.sep_id]]).astype(np.int64)
-        edge = np.ones((3, 1), np.float32)
-        draws = np.concatenate([edge, *[p[1] for p in parts], edge], axis=1)
-        return ids, draws, sorted({p[2] for p in parts}), len(ids), 0
-
-    def _collate(self, samples, cursor):
-        # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
-        lengths = np.array([len(s[0]) for s in samples])
-        width = min(self.max_seq_len, -(-int(lengths.max()) // 8) * 8)
-        ids = np.full((len(samples), width), self.pad_id, np.int64)
-        draws = np.ones((3, len(samples), width), np.float32)  # 1.0: never chosen
-        types = np.zeros((len(samples), width), np.int64)
-        for row, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
-            ids[row, :lengths[row]] = sample_ids
-            draws[:, row, :lengths[row]] = sample_draws
-            types[row, type_start:lengths[row]] = 1
-        labels = mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id,
-                            self.random_ids, self.mask_prob, self.whole_word_mask)
-        attention = (np.arange(width) < lengths[:, None]).astype(np.int64)
-        batch = {"input_ids": torch.from_numpy(ids), "token_type_ids": torch.from_numpy(types),
-                 "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels), "cursor": cursor}
-        if self.objective == "nsp":
-            batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
-        return batch
+            return draw_units(shard_docs, position, draw, self._units, self._nsp_sample,
+                              lambda units: len(units[4]), 1, partial)
+        return packed_windows(shard_docs, position, draw, self._units, partial, self.max_seq_len - 2,
+                              self.cls_id, self.sep_id)
 
     def __iter__(self):
         for batch, _ in self.batches():
@@ -1133,24 +1167,20 @@ class BertPretrainStream(IterableDataset):
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info else (1, 0)
         num_shards = self.world_size * num_workers
-        resume = self.resume or {"num_shards": None, "positions": {}, "last_shard": None, "exclude": [], "partial": {}}
+        resume = self.resume or empty_state(self.epoch)
         if resume["num_shards"] not in (None, num_shards):
             raise RuntimeError(f"the stream was resumed for {resume['num_shards']} shards but is read as "
                                f"{num_shards}: pass the DataLoader's num_workers to load_state_dict")
-        positions, last, rotate = resume["positions"], resume["last_shard"], 0
-        if last is not None:
-            # DataLoader takes batches round-robin from worker 0; the old run's next batch was
-            # due from the worker after the last one consumed, so new worker i plays that role.
-            rotate = (last - self.rank * num_workers + 1) % num_workers
         exclude = np.array(resume["exclude"], np.int64) if resume["exclude"] else None
-        shard = self.rank * num_workers + (worker_id + rotate) % num_workers
-        shard_docs = shard_documents(self._doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle, exclude)[shard]
-        position = json.loads(json.dumps(positions.get(str(shard)) or fresh_position(self.num_open, len(shard_docs))))
+        shard = worker_shard(self.rank, num_workers, worker_id, resume["last_shard"])
+        shard_docs = shard_documents(self.corpus.doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle,
+                                     exclude)[shard]
+        position = copy.deepcopy(resume["positions"].get(str(shard)) or fresh_position(self.num_open, len(shard_docs)))
         if self.cache is not None:
             self.cache.refresh(self.num_docs)
         batch = []
         try:
-            for sample in self._samples(shard_docs, position, self._draw_fn(shard, num_shards)):
+            for sample in self._samples(shard_docs, position, shard_draws(self.seed, self.epoch, shard, num_shards)):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield self._cursor_batch(batch, shard, position, num_shards)
@@ -1161,11 +1191,17 @@ class BertPretrainStream(IterableDataset):
             self.flush_cache()
 
     def _cursor_batch(self, samples, shard, position, num_shards):
+        """A batch of tensors (masked now: new masks every epoch) with the cursor after its last sample."""
         cursor = (shard, {**position, "open": list(position["open"]), "taken": list(position["taken"])}, num_shards)
-        return self._collate(samples, cursor), [s[2] for s in samples]
+        return collate(samples, cursor, self.pad_id, self.max_seq_len, self._mask, self.objective == "nsp"), \
+            [s[2] for s in samples]
+
+    def _mask(self, ids, draws):
+        return mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id, self.random_ids,
+                          self.mask_prob, self.whole_word_mask)
 
 
-# ============================================================================= CLI
+# ============================================================================= 7. CLI
 
 # The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states.
 # the oldest verified (bench/compat.sh); transformers 5.17 itself requires tokenizers >= 0.23.1
