@@ -8,25 +8,31 @@ by Hugging Face `datasets.Dataset.save_to_disk` (.arrow), alone or mixed. `--cor
 English prose that ships with CPython (the pydoc topics plus standard library docstrings), so
 nothing is ever downloaded.
 
-    python data_stream.py --show 3                 # decoded samples from the builtin corpus
-    python bench/stream_bench.py --corpus my_texts/  # one worker's rate next to the bare tokenizer
+    python data_stream.py --show 3                                # decoded samples from the builtin corpus
     python data_stream.py --corpus wiki.jsonl.gz --build-cache   # tokenize ahead, on all cores
+    python bench/stream_bench.py --corpus my_texts/              # one worker's rate next to the bare tokenizer
 
-The layers, one section each, each knowing only the one below it:
+The layers, one section each, top to bottom, each using only the ones above it:
 1. Reading: a corpus -> numbered documents, each a list of sentences. A one-time offset index
    (cached on disk) says where each document is; documents are read by position when needed, so
    memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes.
+   Parquet and Arrow files are read by arrow_corpus.py, the only code that needs pyarrow,
+   imported when such a file is met (text and jsonl corpora need neither).
 2. Tokenizer: a WordPiece trained on an evenly spread sample of the corpus (or a folder).
 3. Token cache: the first time a document is tokenized, its ids go to a memory-mapped cache shared
    by the processes of a machine; later epochs and runs read ids, never text.
-4. Samples: BERT's sentence pairs (Google's rules) or packed windows, masked per batch in numpy.
-   Every random choice comes from an RNG keyed by (seed, epoch, document, purpose).
-5. Order: each epoch permutes the documents and cuts them into ranks x workers byte-balanced
-   shards; a worker keeps --shuffle-docs documents open and draws each sample from one of them,
-   chosen with probability proportional to what it has left, so a batch mixes many documents
-   and the mixture stays the same from the start of an epoch to its end. Its cursor (which
-   documents are open, how far each is read) is small and exact: `stream.consumed(batch["cursor"])`,
-   `stream.state_dict()`.
+4. Samples: BERT's sentence pairs (Google's rules) or packed windows, masked per batch in numpy
+   and collated into tensors. Every random choice comes from an RNG keyed by (seed, epoch,
+   document, purpose).
+5. Order and shards: each epoch permutes the documents and cuts them into ranks x workers
+   byte-balanced shards; a worker keeps --shuffle-docs documents open and draws each sample from
+   one of them, chosen with probability proportional to what it has left, so a batch mixes many
+   documents and the mixture stays the same from the start of an epoch to its end. Its cursor
+   (which documents are open, how far each is read) is small and exact; a resume on another number
+   of shards goes on from the cursors of all of them.
+6. The stream: BertPretrainStream, the IterableDataset that holds the state (epoch, the cursor to
+   resume from, what the trainer consumed: `stream.consumed(batch["cursor"])`, `stream.state_dict()`).
+7. CLI: the data flags every script shares (add_data_args, stream_from_args), --show, --build-cache.
 """
 
 import argparse
@@ -151,9 +157,15 @@ def file_identity(path):
     return [os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def cache_key(parts, length, digest=hashlib.sha1):
+    """The name of a cached artefact (gunzip copy, index, tokenizer, token cache): a hash of what it
+    was made from, so a changed input or setting finds a new name, never a stale file."""
+    return digest(json.dumps(parts, default=str).encode()).hexdigest()[:length]
+
+
 def _plain_copy(path):
     """A .gz file is decompressed once into the cache: documents are read by byte offset."""
-    key = hashlib.sha1(json.dumps(file_identity(path)).encode()).hexdigest()[:16]
+    key = cache_key(file_identity(path), 16)
     out = os.path.join(CACHE_DIR, "gunzip", f"{key}-{os.path.basename(path)[:-3]}")
     with _machine_lock(out + ".lock"):
         if not os.path.exists(out):
@@ -342,8 +354,7 @@ def _index_records(path, fmt, text_field, max_doc_bytes):
 def _index_file(path, fmt, text_field, max_doc_bytes, name):
     """One file's index, cached on disk by (path, size, mtime, settings): a restart reads no text.
     The first process of a machine builds it; the others wait for it and load it."""
-    key = hashlib.sha1(json.dumps([file_identity(path), fmt, text_field, max_doc_bytes,
-                                   INDEX_VERSION]).encode()).hexdigest()[:20]
+    key = cache_key([file_identity(path), fmt, text_field, max_doc_bytes, INDEX_VERSION], 20)
     cached = os.path.join(CACHE_DIR, "index", f"{key}.npz")
     with _machine_lock(cached + ".lock"):
         if not os.path.exists(cached):
@@ -365,6 +376,19 @@ def _whitespace_after(text, pos):
     """The first whitespace at or after pos (a part of a long record starts on a word)."""
     m = re.compile(r"\s").search(text, pos, pos + 1000)
     return m.start() if m else pos
+
+
+def _cut_lines(lines):
+    """The non-blank lines, stripped; a line longer than MAX_LINE_BYTES is cut into pieces (bounded memory)."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        while len(line) > MAX_LINE_BYTES:
+            out.append(line[:MAX_LINE_BYTES])
+            line = line[MAX_LINE_BYTES:].lstrip()
+        if line:
+            out.append(line)
+    return out
 
 
 class Corpus:
@@ -479,18 +503,6 @@ class Corpus:
                            for s in segment(self.language, para.replace("\n", " "))])
 
 
-def _cut_lines(lines):
-    out = []
-    for line in lines:
-        line = line.strip()
-        while len(line) > MAX_LINE_BYTES:
-            out.append(line[:MAX_LINE_BYTES])
-            line = line[MAX_LINE_BYTES:].lstrip()
-        if line:
-            out.append(line)
-    return out
-
-
 def open_corpus(spec, split="train", objective="nsp", text_field="text", max_doc_bytes=MAX_DOC_BYTES, language="en"):
     """A Corpus read as `objective` needs it: sentences for nsp pairs, lines for packed mlm."""
     return spec if isinstance(spec, Corpus) else Corpus(spec, split, text_field, max_doc_bytes,
@@ -545,7 +557,7 @@ def get_tokenizer(tokenizer_dir=None, corpus=None, vocab_size=8192, sample_mb=TO
     from transformers import AutoTokenizer
     if tokenizer_dir is None:
         corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus, sentences=False)
-        key = hashlib.sha1(json.dumps([corpus.identity()[:3], vocab_size, sample_mb]).encode()).hexdigest()[:16]
+        key = cache_key([corpus.identity()[:3], vocab_size, sample_mb], 16)
         tokenizer_dir = os.path.join(CACHE_DIR, "tokenizers", f"wordpiece-{vocab_size}-{key}")
         if not os.path.isdir(tokenizer_dir):
             os.makedirs(os.path.dirname(tokenizer_dir), exist_ok=True)
@@ -708,8 +720,7 @@ def token_cache_for(setting, corpus, tokenizer):
     if setting in (None, "none"):
         return None
     root = os.path.join(CACHE_DIR, "tokens") if setting == "auto" else setting
-    key = hashlib.sha256(json.dumps([corpus.identity(), tokenizer_hash(tokenizer), CACHE_VERSION],
-                                    default=str).encode()).hexdigest()[:24]
+    key = cache_key([corpus.identity(), tokenizer_hash(tokenizer), CACHE_VERSION], 24, hashlib.sha256)
     return TokenCache(root, key, len(tokenizer))
 
 
@@ -815,6 +826,7 @@ def token_tables(tokenizer):
         continuation_table[i] = token.startswith("##")
     return special_table, continuation_table, np.flatnonzero(~special_table)
 
+
 def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_ids, mask_prob,
                whole_word):
     """BERT dynamic masking of a padded batch in place; returns the labels (-100: not predicted).
@@ -857,6 +869,7 @@ def collate(samples, cursor, pad_id, max_seq_len, mask, nsp):
     if nsp:
         batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
     return batch
+
 
 # ============================================================================= 5. order and shards
 
@@ -927,6 +940,7 @@ def shard_draws(seed, epoch, shard, num_shards):
             block[n // 4096] = np.random.default_rng([seed, epoch, 6, shard, num_shards, n // 4096]).random(4096)
         return block[n // 4096][n % 4096]
     return draw
+
 
 def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, partial):
     """Units of one shard, each from an open document drawn with probability proportional to
@@ -1002,6 +1016,7 @@ def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_i
             parts, need[0] = [], width
     if parts:
         yield packed_window(parts, cls_id, sep_id)
+
 
 # ============================================================================= 6. the stream
 
@@ -1203,8 +1218,8 @@ class BertPretrainStream(IterableDataset):
 
 # ============================================================================= 7. CLI
 
-# The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states.
-# the oldest verified (bench/compat.sh); transformers 5.17 itself requires tokenizers >= 0.23.1
+# The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states;
+# transformers 5.17 itself requires tokenizers >= 0.23.1
 MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "tokenizers": (0, 23), "numpy": (1, 26)}
 
 
@@ -1337,6 +1352,22 @@ def build_cache(stream):
           f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {stream.cache.dir}")
 
 
+def show(stream, count):
+    shown = 0
+    for batch in stream:
+        for row in range(len(batch["input_ids"])):
+            if shown == count:
+                return
+            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()]
+            masked = batch["labels"][row][batch["labels"][row] != -100]
+            nsp = batch.get("next_sentence_label")
+            print(f"--- sample {shown}: {len(ids)} tokens, {len(masked)} masked"
+                  + (f", B is {'random' if nsp[row] else 'the continuation'}" if nsp is not None else ""))
+            print(stream.tokenizer.decode(ids.tolist()))
+            print("  targets:", stream.tokenizer.decode(masked.tolist()))
+            shown += 1
+
+
 def main(argv=None):
     parser = Parser(prog="data_stream.py",
                     description="Stream BERT pretraining samples: show some, or fill the token cache "
@@ -1358,22 +1389,6 @@ def main(argv=None):
             show(stream, args.show)
     except CorpusError as e:
         sys.exit(f"data_stream.py: error: {e}")
-
-
-def show(stream, count):
-    shown = 0
-    for batch in stream:
-        for row in range(len(batch["input_ids"])):
-            if shown == count:
-                return
-            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()]
-            masked = batch["labels"][row][batch["labels"][row] != -100]
-            nsp = batch.get("next_sentence_label")
-            print(f"--- sample {shown}: {len(ids)} tokens, {len(masked)} masked"
-                  + (f", B is {'random' if nsp[row] else 'the continuation'}" if nsp is not None else ""))
-            print(stream.tokenizer.decode(ids.tolist()))
-            print("  targets:", stream.tokenizer.decode(masked.tolist()))
-            shown += 1
 
 
 if __name__ == "__main__":
