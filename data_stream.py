@@ -251,6 +251,8 @@ def _arrow_corpus(path):
     try:
         import arrow_corpus
     except ImportError as e:
+        if e.name == "arrow_corpus":  # data_stream.py copied alone
+            raise CorpusError(f"corpus file {path} is read by arrow_corpus.py: copy it beside data_stream.py") from None
         # a pyarrow built for another numpy fails here too: say what the import said
         raise CorpusError(f"corpus file {path} needs pyarrow, which did not import ({e}): "
                           "pip install -U pyarrow") from None
