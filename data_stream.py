@@ -8,31 +8,37 @@ by Hugging Face `datasets.Dataset.save_to_disk` (.arrow), alone or mixed. `--cor
 English prose that ships with CPython (the pydoc topics plus standard library docstrings), so
 nothing is ever downloaded.
 
-    python data_stream.py --show 3                 # decoded samples from the builtin corpus
-    python data_stream.py --corpus my_texts/ --bench
+    python data_stream.py --show 3                                # decoded samples from the builtin corpus
     python data_stream.py --corpus wiki.jsonl.gz --build-cache   # tokenize ahead, on all cores
+    python bench/stream_bench.py --corpus my_texts/              # one worker's rate next to the bare tokenizer
 
-The layers, one section each, each knowing only the one below it:
+The layers, one section each, top to bottom, each using only the ones above it:
 1. Reading: a corpus -> numbered documents, each a list of sentences. A one-time offset index
    (cached on disk) says where each document is; documents are read by position when needed, so
    memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes.
+   Parquet and Arrow files are read by arrow_corpus.py, the only code that needs pyarrow,
+   imported when such a file is met (text and jsonl corpora need neither).
 2. Tokenizer: a WordPiece trained on an evenly spread sample of the corpus (or a folder).
 3. Token cache: the first time a document is tokenized, its ids go to a memory-mapped cache shared
    by the processes of a machine; later epochs and runs read ids, never text.
-4. Samples: BERT's sentence pairs (Google's rules) or packed windows, masked per batch in numpy.
-   Every random choice comes from an RNG keyed by (seed, epoch, document, purpose).
-5. Order: each epoch permutes the documents and cuts them into ranks x workers byte-balanced
-   shards; a worker keeps --shuffle-docs documents open and draws each sample from one of them,
-   chosen with probability proportional to what it has left, so a batch mixes many documents
-   and the mixture stays the same from the start of an epoch to its end. Its cursor (which
-   documents are open, how far each is read) is small and exact: `stream.consumed(batch["cursor"])`,
-   `stream.state_dict()`.
+4. Samples: BERT's sentence pairs (Google's rules) or packed windows, masked per batch in numpy
+   and collated into tensors. Every random choice comes from an RNG keyed by (seed, epoch,
+   document, purpose).
+5. Order and shards: each epoch permutes the documents and cuts them into ranks x workers
+   byte-balanced shards; a worker keeps --shuffle-docs documents open and draws each sample from
+   one of them, chosen with probability proportional to what it has left, so a batch mixes many
+   documents and the mixture stays the same from the start of an epoch to its end. Its cursor
+   (which documents are open, how far each is read) is small and exact; a resume on another number
+   of shards goes on from the cursors of all of them.
+6. The stream: BertPretrainStream, the IterableDataset that holds the state (epoch, the cursor to
+   resume from, what the trainer consumed: `stream.consumed(batch["cursor"])`, `stream.state_dict()`).
+7. CLI: the data flags every script shares (add_data_args, stream_from_args), --show, --build-cache.
 """
 
 import argparse
 import ast
-import collections
 import contextlib
+import copy
 import fcntl
 import glob
 import gzip
@@ -59,7 +65,6 @@ MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bou
 MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
-ROW_GROUP_CACHE_BYTES = 1 << 27  # decoded parquet row groups a process keeps (cold reads only)
 PIECE_TOKENS = 1 << 23      # the token cache is written in pieces of about this many tokens (16 MB)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 INDEX_VERSION, CACHE_VERSION = 2, 1  # bump when the index or cache layout changes
@@ -152,9 +157,15 @@ def file_identity(path):
     return [os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
+def cache_key(parts, length, digest=hashlib.sha1):
+    """The name of a cached artefact (gunzip copy, index, tokenizer, token cache): a hash of what it
+    was made from, so a changed input or setting finds a new name, never a stale file."""
+    return digest(json.dumps(parts, default=str).encode()).hexdigest()[:length]
+
+
 def _plain_copy(path):
     """A .gz file is decompressed once into the cache: documents are read by byte offset."""
-    key = hashlib.sha1(json.dumps(file_identity(path)).encode()).hexdigest()[:16]
+    key = cache_key(file_identity(path), 16)
     out = os.path.join(CACHE_DIR, "gunzip", f"{key}-{os.path.basename(path)[:-3]}")
     with _machine_lock(out + ".lock"):
         if not os.path.exists(out):
@@ -235,16 +246,17 @@ def resolve_corpus(spec, split="train"):
     return files
 
 
-def _pyarrow(path):
+def _arrow_corpus(path):
+    """arrow_corpus.py, the only code that needs pyarrow: imported when a parquet/Arrow file is read."""
     try:
-        import pyarrow  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
+        import arrow_corpus
     except ImportError as e:
+        if e.name == "arrow_corpus":  # data_stream.py copied alone
+            raise CorpusError(f"corpus file {path} is read by arrow_corpus.py: copy it beside data_stream.py") from None
         # a pyarrow built for another numpy fails here too: say what the import said
         raise CorpusError(f"corpus file {path} needs pyarrow, which did not import ({e}): "
                           "pip install -U pyarrow") from None
-    import pyarrow as pa
-    return pa
+    return arrow_corpus
 
 
 def _text_parts(text_lengths, max_doc_bytes):
@@ -333,63 +345,18 @@ def _index_jsonl(path, text_field, max_doc_bytes, name):
             "part": part.astype(np.int32), "bytes": size, "bad": bad, "empty": empty}
 
 
-def _arrow_table(path, pa):
-    """A save_to_disk .arrow file (Arrow stream format; the file format too), memory-mapped."""
-    source = pa.memory_map(path)
-    try:
-        return pa.ipc.open_stream(source).read_all()
-    except pa.ArrowInvalid:
-        return pa.ipc.open_file(source).read_all()
-
-
-def _text_column(path, schema, text_field, pa):
-    if text_field not in schema.names:
-        raise CorpusError(f"{path} has no column {text_field!r} (it has: {', '.join(schema.names)}); "
-                          "name the text with --text-field")
-    kind = schema.field(text_field).type
-    if pa.types.is_dictionary(kind):  # pandas categoricals
-        kind = kind.value_type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-        raise CorpusError(f"{path}: column {text_field!r} is {kind}, not text; name the text with --text-field")
-
-
-def _index_table(path, fmt, text_field, max_doc_bytes):
-    """parquet: (row group, row) per record; arrow: (0, row). The text column is read once here for
-    the lengths (byte balance of the shards) and the empty records."""
-    pa = _pyarrow(path)
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-    try:
-        if fmt == "parquet":
-            pf = pq.ParquetFile(path)
-            _text_column(path, pf.schema_arrow, text_field, pa)
-            columns = [(g, pf.read_row_group(g, columns=[text_field]).column(0)) for g in range(pf.num_row_groups)]
-        else:
-            table = _arrow_table(path, pa)
-            _text_column(path, table.schema, text_field, pa)
-            columns = [(0, table.column(text_field))]
-    except (OSError, pa.ArrowException) as e:
-        raise CorpusError(f"corpus file {path} does not read as {fmt} ({str(e).splitlines()[0]})") from None
-    groups, rows, lengths, empty = [], [], [], 0
-    for group, column in columns:
-        column = column.cast(pa.large_string())  # dictionary-encoded and all-null columns too
-        length = pc.fill_null(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0).to_numpy()
-        keep = np.flatnonzero(length > 0)
-        empty += len(length) - len(keep)
-        groups.append(np.full(len(keep), group, np.int64)), rows.append(keep)
-        lengths.append(pc.fill_null(pc.utf8_length(column), 0).to_numpy()[keep])
-    if not columns:  # a parquet file with no row group: an empty shard of an export
-        groups, rows, lengths = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
-    record, part, size = _text_parts(np.concatenate(lengths), max_doc_bytes)
-    return {"start": np.concatenate(groups)[record], "end": np.concatenate(rows).astype(np.int64)[record],
-            "part": part.astype(np.int32), "bytes": size, "bad": 0, "empty": empty}
+def _index_records(path, fmt, text_field, max_doc_bytes):
+    """parquet: (row group, row) per record; arrow: (0, row) (arrow_corpus.py reads them)."""
+    group, row, lengths, empty = _arrow_corpus(path).index_records(path, fmt, text_field, CorpusError)
+    record, part, size = _text_parts(lengths, max_doc_bytes)
+    return {"start": group[record], "end": row[record], "part": part.astype(np.int32), "bytes": size, "bad": 0,
+            "empty": empty}
 
 
 def _index_file(path, fmt, text_field, max_doc_bytes, name):
     """One file's index, cached on disk by (path, size, mtime, settings): a restart reads no text.
     The first process of a machine builds it; the others wait for it and load it."""
-    key = hashlib.sha1(json.dumps([file_identity(path), fmt, text_field, max_doc_bytes,
-                                   INDEX_VERSION]).encode()).hexdigest()[:20]
+    key = cache_key([file_identity(path), fmt, text_field, max_doc_bytes, INDEX_VERSION], 20)
     cached = os.path.join(CACHE_DIR, "index", f"{key}.npz")
     with _machine_lock(cached + ".lock"):
         if not os.path.exists(cached):
@@ -399,7 +366,7 @@ def _index_file(path, fmt, text_field, max_doc_bytes, name):
                 elif fmt == "jsonl":
                     index = _index_jsonl(path, text_field, max_doc_bytes, name)
                 else:
-                    index = _index_table(path, fmt, text_field, max_doc_bytes)
+                    index = _index_records(path, fmt, text_field, max_doc_bytes)
             except OSError as e:
                 raise CorpusError(f"corpus file {name} cannot be read ({e.strerror or e})") from None
             atomic_write(cached, lambda f: np.savez(f, **index))
@@ -411,6 +378,19 @@ def _whitespace_after(text, pos):
     """The first whitespace at or after pos (a part of a long record starts on a word)."""
     m = re.compile(r"\s").search(text, pos, pos + 1000)
     return m.start() if m else pos
+
+
+def _cut_lines(lines):
+    """The non-blank lines, stripped; a line longer than MAX_LINE_BYTES is cut into pieces (bounded memory)."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        while len(line) > MAX_LINE_BYTES:
+            out.append(line[:MAX_LINE_BYTES])
+            line = line[MAX_LINE_BYTES:].lstrip()
+        if line:
+            out.append(line)
+    return out
 
 
 class Corpus:
@@ -490,11 +470,8 @@ class Corpus:
             path, fmt = self.files[file_id], self.formats[file_id]
             if fmt in ("text", "jsonl"):
                 self._open[file_id] = open(path, "rb")
-            elif fmt == "parquet":
-                import pyarrow.parquet as pq
-                self._open[file_id] = (pq.ParquetFile(path), collections.OrderedDict())  # file, decoded row groups
             else:
-                self._open[file_id] = _arrow_table(path, _pyarrow(path)).column(self.text_field)
+                self._open[file_id] = _arrow_corpus(path).open_records(path, fmt, self.text_field)
         return self._open[file_id]
 
     def _record_text(self, doc_id):
@@ -504,15 +481,7 @@ class Corpus:
         if fmt == "jsonl":
             handle.seek(start)
             return _json_text(handle.read(end - start), self.files[file_id], "?", self.text_field)
-        if fmt == "parquet":  # a row is read by decoding its row group: recent ones are kept
-            parquet, groups = handle
-            if start not in groups:
-                groups[start] = parquet.read_row_group(start, columns=[self.text_field]).column(0)
-                while len(groups) > 1 and sum(g.nbytes for g in groups.values()) > ROW_GROUP_CACHE_BYTES:
-                    groups.popitem(last=False)
-            groups.move_to_end(start)
-            return groups[start][end].as_py()
-        return handle[end].as_py()
+        return _arrow_corpus(self.files[file_id]).record_text(handle, fmt, start, end, self.text_field)
 
     def read(self, doc_id):
         """A document's non-blank sentences (text: its lines), long lines cut into pieces."""
@@ -534,18 +503,6 @@ class Corpus:
         # a blank line is a paragraph break: no sentence spans it
         return _cut_lines([s for para in re.split(r"\n\s*\n", text) if para.strip()
                            for s in segment(self.language, para.replace("\n", " "))])
-
-
-def _cut_lines(lines):
-    out = []
-    for line in lines:
-        line = line.strip()
-        while len(line) > MAX_LINE_BYTES:
-            out.append(line[:MAX_LINE_BYTES])
-            line = line[MAX_LINE_BYTES:].lstrip()
-        if line:
-            out.append(line)
-    return out
 
 
 def open_corpus(spec, split="train", objective="nsp", text_field="text", max_doc_bytes=MAX_DOC_BYTES, language="en"):
@@ -602,7 +559,7 @@ def get_tokenizer(tokenizer_dir=None, corpus=None, vocab_size=8192, sample_mb=TO
     from transformers import AutoTokenizer
     if tokenizer_dir is None:
         corpus = corpus if isinstance(corpus, Corpus) else Corpus(corpus, sentences=False)
-        key = hashlib.sha1(json.dumps([corpus.identity()[:3], vocab_size, sample_mb]).encode()).hexdigest()[:16]
+        key = cache_key([corpus.identity()[:3], vocab_size, sample_mb], 16)
         tokenizer_dir = os.path.join(CACHE_DIR, "tokenizers", f"wordpiece-{vocab_size}-{key}")
         if not os.path.isdir(tokenizer_dir):
             os.makedirs(os.path.dirname(tokenizer_dir), exist_ok=True)
@@ -765,8 +722,7 @@ def token_cache_for(setting, corpus, tokenizer):
     if setting in (None, "none"):
         return None
     root = os.path.join(CACHE_DIR, "tokens") if setting == "auto" else setting
-    key = hashlib.sha256(json.dumps([corpus.identity(), tokenizer_hash(tokenizer), CACHE_VERSION],
-                                    default=str).encode()).hexdigest()[:24]
+    key = cache_key([corpus.identity(), tokenizer_hash(tokenizer), CACHE_VERSION], 24, hashlib.sha256)
     return TokenCache(root, key, len(tokenizer))
 
 
@@ -831,6 +787,48 @@ def random_segment(ids, bounds, frac, target_len):
     return ids[bounds[start]:bounds[min(max(end, start + 1), n)]]
 
 
+def random_segment_of_lines(tokenizer, lines, frac, target_len):
+    """random_segment of a document that is not in the token cache: only the sentences needed are
+    tokenized (from frac of its lines on), not the whole document."""
+    start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
+    step = 2  # lines tokenized at a time, doubling: most random segments need a few sentences
+    while 0 <= start < len(lines) and have < max(target_len, 1):
+        i, bd = tokenize_lines(tokenizer, lines[start:start + step])
+        ids.append(i), bounds.append(bd[1:] + have)
+        have, start, step = have + len(i), start + step, 2 * step
+    return random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
+
+
+def pair_sample(ids, starts, ends, plan, rng, random_b, cls_id, sep_id, max_num_tokens):
+    """One nsp sample, [CLS] A [SEP] B [SEP], from a plan of plan_pairs over a document whose
+    sentence i is ids[starts[i]:ends[i]]; random_b(doc_id, frac, target_len) reads a random next
+    segment. Returns (ids, masking draws, where B starts, next-sentence label)."""
+    a_start, a_end, b_end, random_doc, frac, target_len = plan
+    a = ids[starts[a_start]:ends[a_end - 1]]
+    b = random_b(random_doc, frac, target_len - len(a)) if random_doc >= 0 else ids[starts[a_end]:ends[b_end - 1]]
+    a, b = truncate_pair(a, b, max_num_tokens, rng)
+    sample = np.concatenate([[cls_id], a, [sep_id], b, [sep_id]]).astype(np.int64)
+    return sample, rng.random((3, len(sample)), dtype=np.float32), len(a) + 2, int(random_doc >= 0)
+
+
+def packed_window(parts, cls_id, sep_id):
+    """An mlm sample from (ids, draws, doc_id) parts: [CLS] parts [SEP]; the edges are never masked."""
+    ids = np.concatenate([[cls_id], *[p[0] for p in parts], [sep_id]]).astype(np.int64)
+    edge = np.ones((3, 1), np.float32)
+    draws = np.concatenate([edge, *[p[1] for p in parts], edge], axis=1)
+    return ids, draws, sorted({p[2] for p in parts}), len(ids), 0
+
+
+def token_tables(tokenizer):
+    """What mask_batch looks ids up in: special tokens, ## continuation pieces, the random ids."""
+    special_table = np.zeros(len(tokenizer), bool)
+    special_table[sorted(set(tokenizer.all_special_ids))] = True
+    continuation_table = np.zeros(len(tokenizer), bool)
+    for token, i in tokenizer.get_vocab().items():
+        continuation_table[i] = token.startswith("##")
+    return special_table, continuation_table, np.flatnonzero(~special_table)
+
+
 def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_ids, mask_prob,
                whole_word):
     """BERT dynamic masking of a padded batch in place; returns the labels (-100: not predicted).
@@ -851,6 +849,28 @@ def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_id
     replace = chosen & (draws[1] >= 0.8) & (draws[1] < 0.9)
     ids[replace] = random_ids[(draws[2][replace] * len(random_ids)).astype(np.int64)]
     return labels
+
+
+def collate(samples, cursor, pad_id, max_seq_len, mask, nsp):
+    """(ids, draws, doc ids, type_start, nsp label) samples -> a batch of tensors; mask(ids, draws)
+    masks the padded ids in place and returns the labels (mask_batch)."""
+    # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
+    lengths = np.array([len(s[0]) for s in samples])
+    width = min(max_seq_len, -(-int(lengths.max()) // 8) * 8)
+    ids = np.full((len(samples), width), pad_id, np.int64)
+    draws = np.ones((3, len(samples), width), np.float32)  # 1.0: never chosen
+    types = np.zeros((len(samples), width), np.int64)
+    for row, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
+        ids[row, :lengths[row]] = sample_ids
+        draws[:, row, :lengths[row]] = sample_draws
+        types[row, type_start:lengths[row]] = 1
+    labels = mask(ids, draws)
+    attention = (np.arange(width) < lengths[:, None]).astype(np.int64)
+    batch = {"input_ids": torch.from_numpy(ids), "token_type_ids": torch.from_numpy(types),
+             "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels), "cursor": cursor}
+    if nsp:
+        batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
+    return batch
 
 
 # ============================================================================= 5. order and shards
@@ -879,7 +899,128 @@ def fresh_position(num_open, shard_size):
     return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k}
 
 
-# ============================================================================= the stream
+def empty_state(epoch):
+    """The cursor state of an epoch nothing of which was consumed."""
+    return {"epoch": epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": [], "partial": {}}
+
+
+def reshard_state(state, num_shards, doc_bytes, seed, shuffle):
+    """A state written for state["num_shards"] shards (merged over every rank), for num_shards.
+
+    Documents the old sharding finished are left out, a partly read one goes on from the unit
+    where it stopped ('partial'), the rest is cut into new shards. Both accumulate, so a chain of
+    resizes reads every sample of a document once."""
+    old = shard_documents(doc_bytes, seed, state["epoch"], state["num_shards"], shuffle,
+                          np.array(state["exclude"], np.int64))
+    exclude, partial = set(state["exclude"]), state["partial"]
+    for s, pos in state["positions"].items():
+        shard = old[int(s)]
+        still_open = {p for p in pos["open"] if p >= 0}
+        exclude.update(int(shard[p]) for p in range(pos["next"]) if p not in still_open)
+        partial.update({str(int(shard[p])): t for p, t in zip(pos["open"], pos["taken"], strict=True)
+                        if p >= 0 and t > 0})
+    return {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
+            "exclude": sorted(exclude), "partial": {d: t for d, t in partial.items() if int(d) not in exclude}}
+
+
+def worker_shard(rank, num_workers, worker_id, last_shard):
+    """The shard a DataLoader worker reads. DataLoader takes batches round-robin from worker 0; after
+    a resume the old run's next batch was due from the worker after the last one consumed
+    (last_shard), so new worker 0 plays that role."""
+    rotate = 0 if last_shard is None else (last_shard - rank * num_workers + 1) % num_workers
+    return rank * num_workers + (worker_id + rotate) % num_workers
+
+
+def shard_draws(seed, epoch, shard, num_shards):
+    """Uniform number n in [0, 1) of a shard (it picks the open document that gives the next
+    unit), made in blocks keyed by position: a resume at draw n needs no RNG state."""
+    block = {}
+
+    def draw(n):
+        if n // 4096 not in block:
+            block.clear()
+            block[n // 4096] = np.random.default_rng([seed, epoch, 6, shard, num_shards, n // 4096]).random(4096)
+        return block[n // 4096][n % 4096]
+    return draw
+
+
+def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, partial):
+    """Units of one shard, each from an open document drawn with probability proportional to
+    the draws it has left: open_units(doc_id) -> a document's units, take(units, k) -> (unit,
+    next k) takes what follows index k of them (one draw), size(units) is where they end, per_draw
+    the units a draw takes at most; draw(n) is the shard's n-th uniform number (shard_draws) and
+    `partial` how far documents were read before a resize (reshard_state). `position` (the
+    cursor) is updated in place: which shard documents are open ('open': places in the shard, -1
+    once none is left), how far each is read ('taken'), the next place to open, the draws made.
+
+    Weighted, not uniform, so the pool drains evenly: each open document loses the same share
+    of what it has left per draw, and a batch mixes documents alike from the first quarter of
+    the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
+    first and ends every shard on its few longest ones). The weights are a pure function of the
+    cursor (and the corpus): a resume draws the same documents. A document is read when it
+    enters the pool, to be weighed (memory stays --shuffle-docs documents, as before; the first
+    batch of a shard waits for them: 0.15-0.2 s on builtin, up to --shuffle-docs x
+    --max-doc-bytes of text to tokenize without the token cache). A size from the index would
+    differ by format (a text file counts each document's last newline): the same records as text
+    or as jsonl would be drawn in another order."""
+    opened, taken = position["open"], position["taken"]
+    live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
+
+    def weight(slot):
+        """The draws left in a slot (0: closed; an empty document 1, so that a draw replaces it)."""
+        if opened[slot] < 0:
+            return 0
+        if slot not in live:
+            doc_id = int(shard_docs[opened[slot]])
+            live[slot] = open_units(doc_id)
+            # a document partly read before a resize goes on from where it stopped
+            taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
+        return max(-(-(size(live[slot]) - taken[slot]) // per_draw), 1)
+
+    weights = np.array([weight(s) for s in range(len(opened))], np.int64)
+    while weights.any():
+        cum = np.cumsum(weights)
+        slot = int(np.searchsorted(cum, draw(position["draw"]) * cum[-1], side="right"))
+        units, k = live[slot], taken[slot]
+        end = size(units)
+        if k < end:  # else an empty document: replaced, and the same draw used again
+            unit, taken[slot] = take(units, k)
+            position["draw"] += 1
+        if taken[slot] >= end:
+            del live[slot]
+            if position["next"] < len(shard_docs):
+                opened[slot], taken[slot] = position["next"], 0
+                position["next"] += 1
+            else:
+                opened[slot] = -1
+        weights[slot] = weight(slot)
+        if k < end:
+            yield unit
+
+
+def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_id, sep_id):
+    """The mlm samples of a shard: a window of `width` tokens is filled from a drawn document up to
+    the window's end or the document's (its [SEP]), then from the next drawn one: documents change
+    only at a [SEP], every window ends at a draw (the cursor needs nothing else), and every token of
+    the shard is in one window."""
+    parts, need = [], [width]
+
+    def take(units, k):
+        ids, draws, doc_id = units
+        end = min(k + need[0], len(ids))
+        return (ids[k:end], draws[:, k:end], doc_id), end
+
+    for part in draw_units(shard_docs, position, draw, open_units, take, lambda units: len(units[0]), width, partial):
+        parts.append(part)
+        need[0] -= len(part[0])
+        if need[0] == 0:
+            yield packed_window(parts, cls_id, sep_id)
+            parts, need[0] = [], width
+    if parts:
+        yield packed_window(parts, cls_id, sep_id)
+
+
+# ============================================================================= 6. the stream
 
 class BertPretrainStream(IterableDataset):
     """Batches (dicts of tensors) of BERT pretraining samples, one shard per (rank, worker).
@@ -887,6 +1028,7 @@ class BertPretrainStream(IterableDataset):
     objective 'nsp': original BERT sentence pairs with next-sentence labels;
     objective 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
     by [SEP], no padding but at the very end of a shard.
+    State: the epoch, the cursor to resume from, what the trainer consumed, the token cache.
     """
 
     def __init__(self, corpus="builtin", tokenizer=None, split="train", objective="nsp",
@@ -914,15 +1056,8 @@ class BertPretrainStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         tok = self.tokenizer
         self.cls_id, self.sep_id, self.pad_id = tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
-        self.mask_id = tok.mask_token_id
-        self.vocab_size = len(tok)
-        special_ids = sorted(set(tok.all_special_ids))
-        self.special_table = np.zeros(self.vocab_size, bool)
-        self.special_table[special_ids] = True
-        self.continuation_table = np.zeros(self.vocab_size, bool)
-        for token, i in tok.get_vocab().items():
-            self.continuation_table[i] = token.startswith("##")
-        self.random_ids = np.flatnonzero(~self.special_table)
+        self.mask_id, self.vocab_size = tok.mask_token_id, len(tok)
+        self.special_table, self.continuation_table, self.random_ids = token_tables(tok)
         self.cache = token_cache_for(token_cache, self.corpus, tok)
         self.epoch, self.resume, self._consumed = 0, None, None
 
@@ -936,9 +1071,6 @@ class BertPretrainStream(IterableDataset):
     def fingerprint(self):
         return self.corpus.fingerprint()
 
-    def _doc_bytes(self):
-        return self.corpus.doc_bytes()
-
     # --- epochs and cursors (main process)
     def set_epoch(self, epoch):
         self.epoch, self.resume, self._consumed = epoch, None, None
@@ -947,8 +1079,7 @@ class BertPretrainStream(IterableDataset):
         """Record that the trainer used the batch with this cursor (call for every batch it trains on)."""
         shard, position, num_shards = cursor
         if self._consumed is None:
-            self._consumed = {"epoch": self.epoch, "num_shards": num_shards, "positions": {}, "last_shard": None,
-                              "exclude": [], "partial": {}}
+            self._consumed = {**empty_state(self.epoch), "num_shards": num_shards}
         self._consumed["positions"][str(shard)] = position
         self._consumed["last_shard"] = shard
 
@@ -956,10 +1087,7 @@ class BertPretrainStream(IterableDataset):
         """Where the consumed part of this epoch ends: JSON-serialisable. `positions` are per shard of
         a sharding into `num_shards` of the epoch's documents less `exclude` (read before a resize);
         `partial`: units of documents read before a resize (they go on from there)."""
-        if self._consumed is None:
-            return {"epoch": self.epoch, "num_shards": None, "positions": {}, "last_shard": None, "exclude": [],
-                    "partial": {}}
-        return json.loads(json.dumps(self._consumed))
+        return empty_state(self.epoch) if self._consumed is None else copy.deepcopy(self._consumed)
 
     @staticmethod
     def merge_states(states):
@@ -971,25 +1099,12 @@ class BertPretrainStream(IterableDataset):
         """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
         written with) continues after what `state` says was consumed, also when the number of
         shards (ranks x workers) changed: then `state` must be merge_states() of every rank's."""
-        state = {"exclude": [], "partial": {}, **json.loads(json.dumps(state))}
+        state = {"exclude": [], "partial": {}, **copy.deepcopy(state)}
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
-            # Resharded resume: documents the old sharding finished are left out, a partly read one
-            # goes on from the unit where it stopped ('partial'), the rest is cut into new shards.
-            # Both accumulate, so a chain of resizes reads every sample of a document once.
-            old = shard_documents(self._doc_bytes(), self.seed, state["epoch"], state["num_shards"], self.shuffle,
-                                  np.array(state["exclude"], np.int64))
-            exclude, partial = set(state["exclude"]), state["partial"]
-            for s, pos in state["positions"].items():
-                shard = old[int(s)]
-                still_open = {p for p in pos["open"] if p >= 0}
-                exclude.update(int(shard[p]) for p in range(pos["next"]) if p not in still_open)
-                partial.update({str(int(shard[p])): t for p, t in zip(pos["open"], pos["taken"], strict=True)
-                                if p >= 0 and t > 0})
-            state = {"epoch": state["epoch"], "num_shards": num_shards, "positions": {}, "last_shard": None,
-                     "exclude": sorted(exclude), "partial": {d: t for d, t in partial.items() if int(d) not in exclude}}
+            state = reshard_state(state, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle)
         self.epoch, self.resume = state["epoch"], state
-        self._consumed = json.loads(json.dumps(state)) if state["num_shards"] else None
+        self._consumed = copy.deepcopy(state) if state["num_shards"] else None
 
     # --- documents: token ids, from the cache or tokenized now (worker process)
     def document(self, doc_id):
@@ -1025,14 +1140,7 @@ class BertPretrainStream(IterableDataset):
         if hit is not None and len(hit[1]) > 1:
             b = random_segment(*hit, frac, target_len)
         else:
-            lines = self.corpus.read(doc_id)
-            start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
-            step = 2  # lines tokenized at a time, doubling: most random segments need a few sentences
-            while 0 <= start < len(lines) and have < max(target_len, 1):
-                i, bd = tokenize_lines(self.tokenizer, lines[start:start + step])
-                ids.append(i), bounds.append(bd[1:] + have)
-                have, start, step = have + len(i), start + step, 2 * step
-            b = random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
+            b = random_segment_of_lines(self.tokenizer, self.corpus.read(doc_id), frac, target_len)
         return b if len(b) else np.array([self.tokenizer.unk_token_id], np.int32)
 
     # --- units: what a draw from an open document takes (nsp: a sample; mlm: tokens of its stream)
@@ -1052,134 +1160,19 @@ class BertPretrainStream(IterableDataset):
         so a long document's samples cost nothing until they are used. Its RNG is its own (keyed by
         k): a resumed stream builds sample k without building the ones before it."""
         doc_id, ids, starts, ends, plans = units
-        a_start, a_end, b_end, random_doc, frac, target_len = plans[k]
-        rng = doc_rng(self.seed, self.epoch, doc_id, 1, k)
-        a = ids[starts[a_start]:ends[a_end - 1]]
-        b = self._random_b(random_doc, frac, target_len - len(a)) if random_doc >= 0 else \
-            ids[starts[a_end]:ends[b_end - 1]]
-        a, b = truncate_pair(a, b, self.max_seq_len - 3, rng)  # room for [CLS] A [SEP] B [SEP]
-        sample = np.concatenate([[self.cls_id], a, [self.sep_id], b, [self.sep_id]]).astype(np.int64)
-        return (sample, rng.random((3, len(sample)), dtype=np.float32), doc_id, len(a) + 2,
-                int(random_doc >= 0)), k + 1
-
-    def _draw_fn(self, shard, num_shards):
-        """Uniform number n in [0, 1) of a shard (it picks the open document that gives the next
-        unit), made in blocks keyed by position: a resume at draw n needs no RNG state."""
-        block = {}
-
-        def draw(n):
-            if n // 4096 not in block:
-                block.clear()
-                block[n // 4096] = np.random.default_rng([self.seed, self.epoch, 6, shard, num_shards,
-                                                          n // 4096]).random(4096)
-            return block[n // 4096][n % 4096]
-        return draw
-
-    def _shard_units(self, shard_docs, position, draw, take, size, per_draw):
-        """Units of one shard, each from an open document drawn with probability proportional to
-        the draws it has left: take(units, k) -> (unit, next k) takes what follows index k of a
-        document's units (one draw), size(units) is where they end, per_draw the units a draw takes
-        at most. `position` (the cursor) is updated in place: which shard documents are open
-        ('open': places in the shard, -1 once none is left), how far each is read ('taken'), the
-        next place to open, the draws made.
-
-        Weighted, not uniform, so the pool drains evenly: each open document loses the same share
-        of what it has left per draw, and a batch mixes documents alike from the first quarter of
-        the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
-        first and ends every shard on its few longest ones). The weights are a pure function of the
-        cursor (and the corpus): a resume draws the same documents. A document is read when it
-        enters the pool, to be weighed (memory stays --shuffle-docs documents, as before; the first
-        batch of a shard waits for them: 0.15-0.2 s on builtin, up to --shuffle-docs x
-        --max-doc-bytes of text to tokenize without the token cache). A size from the index would
-        differ by format (a text file counts each document's last newline): the same records as text
-        or as jsonl would be drawn in another order."""
-        opened, taken = position["open"], position["taken"]
-        partial = (self.resume or {}).get("partial", {})
-        live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
-
-        def weight(slot):
-            """The draws left in a slot (0: closed; an empty document 1, so that a draw replaces it)."""
-            if opened[slot] < 0:
-                return 0
-            if slot not in live:
-                doc_id = int(shard_docs[opened[slot]])
-                live[slot] = self._units(doc_id)
-                # a document partly read before a resize goes on from where it stopped
-                taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
-            return max(-(-(size(live[slot]) - taken[slot]) // per_draw), 1)
-
-        weights = np.array([weight(s) for s in range(len(opened))], np.int64)
-        while weights.any():
-            cum = np.cumsum(weights)
-            slot = int(np.searchsorted(cum, draw(position["draw"]) * cum[-1], side="right"))
-            units, k = live[slot], taken[slot]
-            end = size(units)
-            if k < end:  # else an empty document: replaced, and the same draw used again
-                unit, taken[slot] = take(units, k)
-                position["draw"] += 1
-            if taken[slot] >= end:
-                del live[slot]
-                if position["next"] < len(shard_docs):
-                    opened[slot], taken[slot] = position["next"], 0
-                    position["next"] += 1
-                else:
-                    opened[slot] = -1
-            weights[slot] = weight(slot)
-            if k < end:
-                yield unit
+        ids, draws, type_start, label = pair_sample(  # room for [CLS] A [SEP] B [SEP]
+            ids, starts, ends, plans[k], doc_rng(self.seed, self.epoch, doc_id, 1, k), self._random_b,
+            self.cls_id, self.sep_id, self.max_seq_len - 3)
+        return (ids, draws, [doc_id], type_start, label), k + 1
 
     def _samples(self, shard_docs, position, draw):
         """(ids, draws, doc ids, type_start, nsp label) of each sample of a shard, from `position` on."""
+        partial = (self.resume or {}).get("partial", {})
         if self.objective == "nsp":
-            for ids, draws, doc_id, type_start, label in self._shard_units(
-                    shard_docs, position, draw, self._nsp_sample, lambda units: len(units[4]), 1):
-                yield ids, draws, [doc_id], type_start, label
-            return
-        # mlm: a window of max_seq_len - 2 tokens is filled from a drawn document up to the window's
-        # end or the document's (its [SEP]), then from the next drawn one: documents change only at
-        # a [SEP], every window ends at a draw (the cursor needs nothing else), and every token of
-        # the shard is in one window.
-        width, parts, need = self.max_seq_len - 2, [], [self.max_seq_len - 2]
-
-        def take(units, k):
-            ids, draws, doc_id = units
-            end = min(k + need[0], len(ids))
-            return (ids[k:end], draws[:, k:end], doc_id), end
-
-        for part in self._shard_units(shard_docs, position, draw, take, lambda units: len(units[0]), width):
-            parts.append(part)
-            need[0] -= len(part[0])
-            if need[0] == 0:
-                yield self._window(parts)
-                parts, need[0] = [], width
-        if parts:
-            yield self._window(parts)
-
-    def _window(self, parts):
-        ids = np.concatenate([[self.cls_id], *[p[0] for p in parts], [self.sep_id]]).astype(np.int64)
-        edge = np.ones((3, 1), np.float32)
-        draws = np.concatenate([edge, *[p[1] for p in parts], edge], axis=1)
-        return ids, draws, sorted({p[2] for p in parts}), len(ids), 0
-
-    def _collate(self, samples, cursor):
-        # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
-        lengths = np.array([len(s[0]) for s in samples])
-        width = min(self.max_seq_len, -(-int(lengths.max()) // 8) * 8)
-        ids = np.full((len(samples), width), self.pad_id, np.int64)
-        draws = np.ones((3, len(samples), width), np.float32)  # 1.0: never chosen
-        types = np.zeros((len(samples), width), np.int64)
-        for row, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
-            ids[row, :lengths[row]] = sample_ids
-            draws[:, row, :lengths[row]] = sample_draws
-            types[row, type_start:lengths[row]] = 1
-        labels = mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id,
-                            self.random_ids, self.mask_prob, self.whole_word_mask)
-        attention = (np.arange(width) < lengths[:, None]).astype(np.int64)
-        batch = {"input_ids": torch.from_numpy(ids), "token_type_ids": torch.from_numpy(types),
-                 "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels), "cursor": cursor}
-        if self.objective == "nsp":
-            batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
-        return batch
+            return draw_units(shard_docs, position, draw, self._units, self._nsp_sample,
+                              lambda units: len(units[4]), 1, partial)
+        return packed_windows(shard_docs, position, draw, self._units, partial, self.max_seq_len - 2,
+                              self.cls_id, self.sep_id)
 
     def __iter__(self):
         for batch, _ in self.batches():
@@ -1187,28 +1180,24 @@ class BertPretrainStream(IterableDataset):
 
     def batches(self):
         """(batch, the documents each of its samples came from): what __iter__ yields, plus the
-        documents, for measuring how well batches mix (--bench)."""
+        documents, for measuring how well batches mix (bench/stream_bench.py)."""
         info = get_worker_info()
         num_workers, worker_id = (info.num_workers, info.id) if info else (1, 0)
         num_shards = self.world_size * num_workers
-        resume = self.resume or {"num_shards": None, "positions": {}, "last_shard": None, "exclude": [], "partial": {}}
+        resume = self.resume or empty_state(self.epoch)
         if resume["num_shards"] not in (None, num_shards):
             raise RuntimeError(f"the stream was resumed for {resume['num_shards']} shards but is read as "
                                f"{num_shards}: pass the DataLoader's num_workers to load_state_dict")
-        positions, last, rotate = resume["positions"], resume["last_shard"], 0
-        if last is not None:
-            # DataLoader takes batches round-robin from worker 0; the old run's next batch was
-            # due from the worker after the last one consumed, so new worker i plays that role.
-            rotate = (last - self.rank * num_workers + 1) % num_workers
         exclude = np.array(resume["exclude"], np.int64) if resume["exclude"] else None
-        shard = self.rank * num_workers + (worker_id + rotate) % num_workers
-        shard_docs = shard_documents(self._doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle, exclude)[shard]
-        position = json.loads(json.dumps(positions.get(str(shard)) or fresh_position(self.num_open, len(shard_docs))))
+        shard = worker_shard(self.rank, num_workers, worker_id, resume["last_shard"])
+        shard_docs = shard_documents(self.corpus.doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle,
+                                     exclude)[shard]
+        position = copy.deepcopy(resume["positions"].get(str(shard)) or fresh_position(self.num_open, len(shard_docs)))
         if self.cache is not None:
             self.cache.refresh(self.num_docs)
         batch = []
         try:
-            for sample in self._samples(shard_docs, position, self._draw_fn(shard, num_shards)):
+            for sample in self._samples(shard_docs, position, shard_draws(self.seed, self.epoch, shard, num_shards)):
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield self._cursor_batch(batch, shard, position, num_shards)
@@ -1219,14 +1208,20 @@ class BertPretrainStream(IterableDataset):
             self.flush_cache()
 
     def _cursor_batch(self, samples, shard, position, num_shards):
+        """A batch of tensors (masked now: new masks every epoch) with the cursor after its last sample."""
         cursor = (shard, {**position, "open": list(position["open"]), "taken": list(position["taken"])}, num_shards)
-        return self._collate(samples, cursor), [s[2] for s in samples]
+        return collate(samples, cursor, self.pad_id, self.max_seq_len, self._mask, self.objective == "nsp"), \
+            [s[2] for s in samples]
+
+    def _mask(self, ids, draws):
+        return mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id, self.random_ids,
+                          self.mask_prob, self.whole_word_mask)
 
 
-# ============================================================================= CLI
+# ============================================================================= 7. CLI
 
-# The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states.
-# the oldest verified (bench/compat.sh); transformers 5.17 itself requires tokenizers >= 0.23.1
+# The oldest versions verified to work (bench/compat.sh, BENCHMARKS.md section 13), as requirements.txt states;
+# transformers 5.17 itself requires tokenizers >= 0.23.1
 MIN_VERSIONS = {"torch": (2, 11), "transformers": (5, 17), "tokenizers": (0, 23), "numpy": (1, 26)}
 
 
@@ -1359,37 +1354,6 @@ def build_cache(stream):
           f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {stream.cache.dir}")
 
 
-def main(argv=None):
-    parser = Parser(prog="data_stream.py",
-                    description="Stream BERT pretraining samples: show some, time one worker, "
-                                "or fill the token cache ahead of training.",
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_data_args(parser)
-    parser.add_argument("--batch-size", type=number(int, 1), default=32, help="samples per batch")
-    parser.add_argument("--show", type=number(int, 0), default=0, metavar="N",
-                        help="print N decoded samples ([MASK] visible)")
-    parser.add_argument("--bench", action="store_true",
-                        help="time one worker over the corpus (up to --bench-seconds) next to the bare tokenizer")
-    parser.add_argument("--bench-seconds", type=number(float, 0, low_open=True), default=20.0,
-                        help="time budget of --bench")
-    parser.add_argument("--build-cache", action="store_true", help="tokenize the whole corpus into the token cache now")
-    args = parser.parse_args(argv)
-    check_versions("data_stream.py")
-    if args.bench:  # one worker's rate is one core's: a DataLoader worker tokenizes on one thread
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        stream = stream_from_args(args, rank=0, world_size=1)
-        print(f"corpus: {len(stream.corpus.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
-        if args.build_cache:
-            build_cache(stream)
-        if args.show:
-            show(stream, args.show)
-        if args.bench:
-            bench(stream, args.bench_seconds)
-    except CorpusError as e:
-        sys.exit(f"data_stream.py: error: {e}")
-
-
 def show(stream, count):
     shown = 0
     for batch in stream:
@@ -1406,38 +1370,27 @@ def show(stream, count):
             shown += 1
 
 
-def bench(stream, seconds):
-    """One worker: time to the first batch, samples/s and tokens/s, distinct documents per batch,
-    next to the bare tokenizer on about the same amount of text."""
-    t0, samples, tokens, epoch, first, distinct, full = time.perf_counter(), 0, 0, 0, None, 0, 0
-    while time.perf_counter() - t0 < seconds:  # whole epochs until the time budget is spent
-        stream.set_epoch(epoch)
-        for batch, docs in stream.batches():
-            first = first or time.perf_counter() - t0
-            samples += len(batch["input_ids"])
-            tokens += int(batch["attention_mask"].sum())
-            if len(batch["input_ids"]) == stream.batch_size:
-                distinct, full = distinct + len({d for ds in docs for d in ds}), full + 1
-            if time.perf_counter() - t0 > seconds:
-                break
-        epoch += 1
-    stream_s = time.perf_counter() - t0
-    lines, chars, docs, t0 = [], 0, 0, time.perf_counter()
-    for doc_id in range(stream.num_docs):
-        doc_lines = stream.corpus.read(doc_id)
-        lines += doc_lines
-        chars, docs = chars + sum(map(len, doc_lines)), docs + 1
-        if chars > 4 * tokens:  # ~4 characters per token: about the same amount of text
-            break
-    t1 = time.perf_counter()
-    encoded = stream.tokenizer.backend_tokenizer.encode_batch(lines, add_special_tokens=False)
-    bare_tokens = sum(len(e.ids) for e in encoded)
-    tok_s = time.perf_counter() - t1
-    print(f"stream: {samples / stream_s:,.0f} samples/s, {tokens / stream_s:,.0f} tokens/s (one worker, "
-          f"{stream_s:.1f} s, {epoch} epoch(s)); first batch after {first or 0:.2f} s; "
-          f"{distinct / max(full, 1):.1f} distinct documents per batch of {stream.batch_size}")
-    print(f"bare tokenizer encode_batch, one thread: {bare_tokens / tok_s:,.0f} tokens/s on {docs} documents "
-          f"(read {t1 - t0:.2f} s)")
+def main(argv=None):
+    parser = Parser(prog="data_stream.py",
+                    description="Stream BERT pretraining samples: show some, or fill the token cache "
+                                "ahead of training (one worker's rate: bench/stream_bench.py).",
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_data_args(parser)
+    parser.add_argument("--batch-size", type=number(int, 1), default=32, help="samples per batch")
+    parser.add_argument("--show", type=number(int, 0), default=0, metavar="N",
+                        help="print N decoded samples ([MASK] visible)")
+    parser.add_argument("--build-cache", action="store_true", help="tokenize the whole corpus into the token cache now")
+    args = parser.parse_args(argv)
+    check_versions("data_stream.py")
+    try:
+        stream = stream_from_args(args, rank=0, world_size=1)
+        print(f"corpus: {len(stream.corpus.files)} file(s), {stream.num_docs:,} documents; vocab {stream.vocab_size}")
+        if args.build_cache:
+            build_cache(stream)
+        if args.show:
+            show(stream, args.show)
+    except CorpusError as e:
+        sys.exit(f"data_stream.py: error: {e}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def main():
     tok_dir = os.path.join(args.work_dir, "tokenizer")
     results = {}
 
-    # 1. stream vs bare tokenizer (data_stream.py --bench prints both, one worker, same text)
+    # 1. stream vs bare tokenizer (bench/stream_bench.py prints both, one worker, same text)
     corpora = {"builtin": "builtin", f"{args.stream_mb} MB": generate(
         os.path.join(args.work_dir, f"gen{args.stream_mb}.txt"), args.stream_mb)}
     if not os.path.isdir(tok_dir):
@@ -71,10 +71,10 @@ def main():
     for name, corpus in corpora.items():
         extra = [] if corpus == "builtin" else ["--tokenizer", tok_dir]
         for objective in ("nsp", "mlm"):
-            out = run([sys.executable, "data_stream.py", "--corpus", corpus, *extra, "--objective", objective,
-                            "--bench", "--bench-seconds", str(args.seconds)])
+            out = run([sys.executable, "bench/stream_bench.py", "--corpus", corpus, *extra, "--objective", objective,
+                       "--seconds", str(args.seconds)])
             stream = float(out.split("samples/s, ")[1].split(" tokens/s")[0].replace(",", ""))
-            bare = float(out.split("encode_batch: ")[1].split(" tokens/s")[0].replace(",", ""))
+            bare = float(out.split("one thread: ")[1].split(" tokens/s")[0].replace(",", ""))
             results[f"stream {name} {objective}"] = {"stream_tokens_per_s": stream, "tokenizer_tokens_per_s": bare,
                                                      "ratio": stream / bare}
             print(f"{name:>8} {objective}: stream {stream:,.0f} tokens/s, bare tokenizer {bare:,.0f} tokens/s, "

@@ -8,7 +8,7 @@ What a real corpus costs before and at the first step (issue 10): first launch a
 First launch: `torchrun --nproc_per_node 2 pretrain_ddp.py --max-steps 1` on a generated corpus
 (bench/data_bench.py's Zipf words), timed from the launch to the line of step 1, once with an
 empty BERT_DDP_CACHE (index, tokenizer, estimate) and once more with the cache the first left.
-Books: `data_stream.py --bench --token-cache none` on documents of ~1 MB, nsp and mlm: the cold rate (every
+Books: `bench/stream_bench.py --token-cache none` on documents of ~1 MB, nsp and mlm: the cold rate (every
 document read and tokenized), time to the first batch, and how many documents a batch mixes.
 Every comparison is taken in this one run, on this machine; see BENCHMARKS.md.
 """
@@ -61,8 +61,8 @@ def write_books(path, count, megabytes):
 
 def book_bench(path, cache, objective, seconds):
     env = {**os.environ, "BERT_DDP_CACHE": cache}
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "data_stream.py"), "--corpus", path, "--objective",
-                          objective, "--bench", "--bench-seconds", str(seconds), "--token-cache", "none"],
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "stream_bench.py"), "--corpus", path,
+                          "--objective", objective, "--seconds", str(seconds), "--token-cache", "none"],
                          capture_output=True, text=True,
                          env=env, cwd=ROOT, check=True).stdout
     tokens = re.search(r"([\d,]+) tokens/s \(one worker", out).group(1)

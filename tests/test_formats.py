@@ -295,11 +295,17 @@ def test_estimator_exact_on_records(formats, tokenizer, fmt, world_size, num_wor
 def test_cli_show_and_bench_on_records(formats, tmp_path, tokenizer):
     tok_dir = str(tmp_path / "tok")
     tokenizer.save_pretrained(tok_dir)
-    procs = {fmt: start_cli("--corpus", formats[fmt], "--tokenizer", tok_dir, "--show", "2", "--bench",
-                            "--bench-seconds", "1") for fmt in ("jsonl", "parquet")}
-    for fmt, proc in procs.items():
-        code, out, err = finish(proc)
-        assert code == 0, (fmt, err)
+    shows = {fmt: start_cli("--corpus", formats[fmt], "--tokenizer", tok_dir, "--show", "2")
+             for fmt in ("jsonl", "parquet")}
+    shows = {fmt: finish(proc) for fmt, proc in shows.items()}  # two at a time, as before the bench moved
+    benches = {fmt: subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "stream_bench.py"), "--corpus",
+                                      formats[fmt], "--tokenizer", tok_dir, "--seconds", "1"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for fmt in ("jsonl", "parquet")}
+    for fmt, proc in benches.items():
+        (code, out, err), (bench_code, bench_out, bench_err) = shows[fmt], finish(proc)
+        assert code == 0 and bench_code == 0, (fmt, err, bench_err)
+        out += bench_out
         assert "corpus: 1 file(s), 120 documents" in out and out.count("--- sample") == 2, out
         assert re.search(r"stream: [\d,]+ samples/s, [\d,]+ tokens/s", out), out
         shown = [w for line in out.splitlines() if line.startswith("[CLS]") for w in line.split()]
