@@ -119,6 +119,7 @@ def final_weights(out):
     return torch.load(os.path.join(out, "checkpoints", latest, "trainer.pt"), weights_only=True)["model"]
 
 
+@pytest.mark.slow
 def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, corpus, tok_dir):
     # ~33 steps per epoch: the run crosses an epoch boundary (reshuffle, new loaders) at ~33.
     args = ["--num-workers", "2", "--batch-size", "8", "--accum-steps", "2", "--epochs", "2", "--save-every", "4",
@@ -165,6 +166,7 @@ def damage_tensor_bytes(path):
         f.write(struct.pack("<4f", 1234.5, -1234.5, 1234.5, -1234.5))
 
 
+@pytest.mark.slow
 def test_damage_only_the_checksum_sees_is_refused(tmp_path, corpus, tok_dir):
     """Bytes overwritten inside a weight tensor of trainer.pt load without complaint (wrong weights,
     silently); the checksum refuses them: --resume PATH is one error line, --resume auto warns and
@@ -189,6 +191,7 @@ def test_damage_only_the_checksum_sees_is_refused(tmp_path, corpus, tok_dir):
     assert f"warning: checkpoint {ckpts}/step_000004 is damaged (trainer.pt does not match its checksum)" in err
 
 
+@pytest.mark.slow
 def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
@@ -240,6 +243,7 @@ def test_loading_never_executes_pickled_code(tmp_path, monkeypatch):
                 assert "weights_only=True" in line, (path, line)
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     cmd = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "2", *common(corpus, tok_dir, out),
@@ -264,6 +268,7 @@ def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
     assert summary(out)["steps"] == 14
 
 
+@pytest.mark.slow
 def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     rc, _, err = run_until([sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--max-steps", "3"])
@@ -294,6 +299,7 @@ def test_hf_export_loads_offline_and_matches(tmp_path, corpus, tok_dir):
     assert torch.allclose(sums[0], expected, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, out), "--num-workers", "1",
@@ -312,6 +318,7 @@ def test_sigterm_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, t
     assert rc == 0 and f"at step {stopped_at}," in again and summary(out)["steps"] == stopped_at + 2, err2[-2000:]
 
 
+@pytest.mark.slow
 def test_rollback_then_auto_follows_the_rollback(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
@@ -332,6 +339,7 @@ def test_rollback_then_auto_follows_the_rollback(tmp_path, corpus, tok_dir):
     assert summary(out)["steps"] == 6
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, tok_dir):
     from conftest import write_corpus
 

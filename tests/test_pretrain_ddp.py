@@ -39,6 +39,7 @@ def tok_dir(tokenizer, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [2])
 def test_ddp_two_ranks_with_accumulation_equal_one_big_batch(accum):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -51,6 +52,7 @@ def test_ddp_two_ranks_with_accumulation_equal_one_big_batch(accum):
         assert float(max_diff) < 1e-5, clip  # ...and identically (fp32 sums in another order)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,num_workers", [(2, 0), (3, 2)])
 def test_uneven_shards_finish_in_step(tmp_path, tok_dir, nproc, num_workers):
     # One huge document (most of the bytes) and a few small ones: shards are as uneven as
@@ -69,6 +71,7 @@ def test_uneven_shards_finish_in_step(tmp_path, tok_dir, nproc, num_workers):
     assert len(re.findall(r"epoch \d ended at step", result.stdout)) == 2
 
 
+@pytest.mark.slow
 def test_one_document_two_ranks_no_hang(tmp_path, tok_dir):
     path = write_corpus(tmp_path / "one.txt", 1, skew=[40])
     out = str(tmp_path / "run")
@@ -79,6 +82,7 @@ def test_one_document_two_ranks_no_hang(tmp_path, tok_dir):
     assert "eval/mlm_loss" in s["eval"]  # eval is sharded too: the rank without data adds zeros
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_cpu_and_tensorboard(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", corpus, "--out-dir", out,
@@ -102,6 +106,7 @@ def test_bf16_autocast_on_cpu_and_tensorboard(tmp_path, corpus, tok_dir):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_default_corpus_loss_falls(tmp_path):
     out = str(tmp_path / "run")
     result = run(["--out-dir", out, "--max-steps", "60", "--log-every", "10", "--eval-every", "1000",
@@ -114,6 +119,7 @@ def test_default_corpus_loss_falls(tmp_path):
     assert "effective batches/hour" in result.stdout and "estimated total time" in result.stdout
 
 
+@pytest.mark.slow
 def test_steady_rates_leave_out_the_start_and_the_evals(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     # --epochs 100000: --max-steps ends the run, and only the epochs it reaches are estimated
@@ -131,6 +137,7 @@ def test_steady_rates_leave_out_the_start_and_the_evals(tmp_path, corpus, tok_di
     assert s["tokens_per_sec_overall"] * s["time_s"] == pytest.approx(s["tokens_seen"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_empty_eval_set_warns_and_skips(tmp_path, corpus, tok_dir):
     blank = tmp_path / "blank.txt"
     blank.write_text("\n\n")
@@ -141,6 +148,7 @@ def test_empty_eval_set_warns_and_skips(tmp_path, corpus, tok_dir):
     assert "warning: no evaluation" in result.stderr and summary(out)["eval"] == {}
 
 
+@pytest.mark.slow
 def test_bad_input_one_line_errors(tmp_path, corpus, tok_dir):
     as_file = tmp_path / "a_file"
     as_file.write_text("x")
@@ -172,6 +180,7 @@ def test_bad_input_one_line_errors(tmp_path, corpus, tok_dir):
     assert result.returncode == 2 and "invalid choice" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_tokenizer_under_torchrun_does_not_hang(tmp_path, corpus):
     result = run(["--corpus", corpus, "--tokenizer", str(tmp_path), "--out-dir", str(tmp_path / "o")], nproc=2,
                  timeout=120)
@@ -302,6 +311,7 @@ def planned_lr(lr, total, warmup, step):
     return lr * (pos + 1) / warmup if pos < warmup else lr * (total - pos) / (total - warmup)
 
 
+@pytest.mark.slow
 def test_logged_lr_is_the_plan_every_step_and_after_a_resume(tmp_path, corpus, tok_dir):
     """12 steps, --warmup 0.25: 3 warmup steps to the peak, linear decay to 0 at step 12; a run
     resumed from step 4 logs the same LR at every step."""
@@ -319,6 +329,7 @@ def test_logged_lr_is_the_plan_every_step_and_after_a_resume(tmp_path, corpus, t
     assert logged(resumed.stdout, "train/lr") == {k: lrs[k] for k in range(5, 13)}
 
 
+@pytest.mark.slow
 def test_fp16_with_grad_scaler_on_cpu_skips_overflows_and_resumes_the_scale(tmp_path, corpus, tok_dir):
     """fp16 autocast + GradScaler on the CPU (tests/_fp16_cpu.py), starting at a loss scale of 1.6e6
     so that the first steps overflow: they are skipped (the weights stay) but count as steps, as
@@ -353,6 +364,7 @@ def test_fp16_with_grad_scaler_on_cpu_skips_overflows_and_resumes_the_scale(tmp_
 
 
 
+@pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(tmp_path, corpus, tok_dir):
     """Eval metrics are global: 2 ranks, each holding part of the eval set, report what 1 rank
     reports (--lr 0 keeps the initial weights, which the seed makes equal)."""
@@ -429,6 +441,7 @@ def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
     assert P.gpu_peak("NVIDIA T400 4GB", fp16, False) is None
 
 
+@pytest.mark.slow
 def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir):
     """fp32 checkpoint resumed with fp16 + GradScaler (a disabled scaler saved {}: loading it into an
     enabled one used to raise), and that fp16 checkpoint resumed in fp32: both run on, each says so."""
