@@ -173,6 +173,7 @@ def pair_statistics(pairs, num_docs):
             "mean len(A), actual next": x[~rnd, 0].mean()}
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_nsp_pairs_match_google_statistically():
     """8000 documents (max_seq_len 128, short_seq_prob 0.1), our pipeline vs Google's code.
     Noise, ours vs Google over 60 (document set, seed) draws, sd / largest: instances per document
@@ -244,6 +245,7 @@ def mixing(stream):
     return float(np.mean(per_batch)), samples / stream.num_docs
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_shuffle_docs_mixes_documents_in_a_batch(tmp_path, tokenizer):
     """3000 documents of 10..40 sentences: ~5 nsp samples each at max_seq_len 128. A batch of 32
     drawn from 256 open documents holds ~30 of them; read one document at a time, ~32 / 5 + 1."""

@@ -261,6 +261,7 @@ def run_cli(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_bad_input_gives_one_line_errors(tmp_path, tokenizer):
     (tmp_path / "blank.txt").write_text("\n\n   \n")
     (tmp_path / "nodocs").mkdir()
@@ -288,6 +289,7 @@ def test_non_utf8_is_replaced_and_counted(tmp_path, tokenizer):
     assert sum(len(b["input_ids"]) for b in stream) > 0
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_show_prints_decoded_samples(corpus, tmp_path, tokenizer):
     tok_dir = str(tmp_path / "tok")
     tokenizer.save_pretrained(tok_dir)

@@ -74,6 +74,7 @@ def test_exact_equals_the_stream_on_uneven_shards(tmp_path_factory, tokenizer, w
     assert max(sizes) > 3 * min(sizes)  # really uneven
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_sample_mode_interval_holds_the_exact_answer(tmp_path, tokenizer):
     path = write_corpus(tmp_path / "big.txt", 3000, seed=11)
     for objective, world_size, num_workers, max_rel_err in (("nsp", 4, 2, 0.03), ("mlm", 1, 0, 0.01)):
@@ -112,6 +113,7 @@ def finish(proc):
     return proc.returncode, out, err
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_cli_json_and_table(corpus, tokenizer, tmp_path):
     tok_dir = str(tmp_path / "tok")
     tokenizer.save_pretrained(tok_dir)
@@ -136,6 +138,7 @@ def test_cli_json_and_table(corpus, tokenizer, tmp_path):
     assert "note: 0 optimizer steps" in out and "Traceback" not in err
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_bad_input_gives_one_line_errors(tmp_path, tokenizer, capsys):
     (tmp_path / "blank.txt").write_text("\n\n  \n")
     tok_dir = str(tmp_path / "tok")

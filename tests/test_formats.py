@@ -231,6 +231,7 @@ def start_cli(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_bad_records_give_one_line_errors(tmp_path, tokenizer):
     tok_dir = str(tmp_path / "tok")
     tokenizer.save_pretrained(tok_dir)
@@ -292,6 +293,7 @@ def test_estimator_exact_on_records(formats, tokenizer, fmt, world_size, num_wor
     assert sum(map(len, real[0])) >= 8
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_cli_show_and_bench_on_records(formats, tmp_path, tokenizer):
     tok_dir = str(tmp_path / "tok")
     tokenizer.save_pretrained(tok_dir)

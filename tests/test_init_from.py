@@ -16,6 +16,8 @@ from test_pretrain_ddp import SCRIPT, env, run, summary
 import data_stream
 import pretrain_ddp as P
 
+pytestmark = pytest.mark.slow  # every test here starts the trainer
+
 FAST = ["--batch-size", "4", "--log-every", "1", "--eval-every", "1000", "--log-to", "stdout", "--num-workers", "0"]
 
 

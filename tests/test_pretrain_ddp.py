@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,7 @@ def tok_dir(tokenizer, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", [2])
 def test_ddp_two_ranks_with_accumulation_equal_one_big_batch(accum):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -51,6 +53,7 @@ def test_ddp_two_ranks_with_accumulation_equal_one_big_batch(accum):
         assert float(max_diff) < 1e-5, clip  # ...and identically (fp32 sums in another order)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,num_workers", [(2, 0), (3, 2)])
 def test_uneven_shards_finish_in_step(tmp_path, tok_dir, nproc, num_workers):
     # One huge document (most of the bytes) and a few small ones: shards are as uneven as
@@ -69,6 +72,7 @@ def test_uneven_shards_finish_in_step(tmp_path, tok_dir, nproc, num_workers):
     assert len(re.findall(r"epoch \d ended at step", result.stdout)) == 2
 
 
+@pytest.mark.slow
 def test_one_document_two_ranks_no_hang(tmp_path, tok_dir):
     path = write_corpus(tmp_path / "one.txt", 1, skew=[40])
     out = str(tmp_path / "run")
@@ -79,6 +83,7 @@ def test_one_document_two_ranks_no_hang(tmp_path, tok_dir):
     assert "eval/mlm_loss" in s["eval"]  # eval is sharded too: the rank without data adds zeros
 
 
+@pytest.mark.slow
 def test_bf16_autocast_on_cpu_and_tensorboard(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", corpus, "--out-dir", out,
@@ -102,10 +107,11 @@ def test_bf16_autocast_on_cpu_and_tensorboard(tmp_path, corpus, tok_dir):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_default_corpus_loss_falls(tmp_path):
     out = str(tmp_path / "run")
     result = run(["--out-dir", out, "--max-steps", "60", "--log-every", "10", "--eval-every", "1000",
-                  "--log-to", "stdout", "--lr", "2e-3"])
+                  "--log-to", "stdout", "--lr", "2e-3", "--num-workers", "0"])
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"train/mlm_loss (\S+),", result.stdout)]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0, losses  # visibly learning
@@ -114,6 +120,7 @@ def test_default_corpus_loss_falls(tmp_path):
     assert "effective batches/hour" in result.stdout and "estimated total time" in result.stdout
 
 
+@pytest.mark.slow
 def test_steady_rates_leave_out_the_start_and_the_evals(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
     # --epochs 100000: --max-steps ends the run, and only the epochs it reaches are estimated
@@ -131,31 +138,65 @@ def test_steady_rates_leave_out_the_start_and_the_evals(tmp_path, corpus, tok_di
     assert s["tokens_per_sec_overall"] * s["time_s"] == pytest.approx(s["tokens_seen"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_empty_eval_set_warns_and_skips(tmp_path, corpus, tok_dir):
     blank = tmp_path / "blank.txt"
     blank.write_text("\n\n")
     out = str(tmp_path / "run")
     result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", str(blank), "--out-dir", out,
-                  "--max-steps", "2", "--eval-every", "1", *FAST[:-4], "--log-to", "stdout"])
+                  "--max-steps", "2", "--eval-every", "1", *FAST[:-4], "--log-to", "stdout", "--num-workers", "0"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "warning: no evaluation" in result.stderr and summary(out)["eval"] == {}
 
 
-def test_bad_input_one_line_errors(tmp_path, corpus, tok_dir):
+def bad_input_cases(tmp_path):
     as_file = tmp_path / "a_file"
     as_file.write_text("x")
-    base = ["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o")]
-    cases = [(["--batch-size", "0"], "--batch-size"), (["--accum-steps", "0"], "--accum-steps"),
-             (["--max-seq-len", "4"], "--max-seq-len"), (["--amp", "--amp-dtype", "fp16"], "fp16"),
-             (["--tokenizer", str(tmp_path)], "--tokenizer"), (["--out-dir", str(as_file)], "is a file"),
-             (["--log-to", "stdout,mlflow"], "mlflow"), (["--corpus", str(tmp_path / "nope.txt")], "does not exist"),
-             # every numeric flag has its range in one table (argparse types): flag, value and range in one line
-             (["--mask-prob", "1.5"], "--mask-prob: 1.5 is out of range (allowed: 0 < x <= 1)"),
-             (["--warmup", "2"], "--warmup: 2 is out of range (allowed: 0 <= x <= 1)"),
-             (["--lr", "-1"], "--lr: -1 is out of range (allowed: x >= 0)"),
-             (["--dropout", "1"], "--dropout: 1 is out of range"), (["--seed", "-1"], "--seed: -1 is out of range"),
-             (["--epochs", "two"], "--epochs: 'two' is not an integer")]
+    return [(["--batch-size", "0"], "--batch-size"), (["--accum-steps", "0"], "--accum-steps"),
+            (["--max-seq-len", "4"], "--max-seq-len"), (["--amp", "--amp-dtype", "fp16"], "fp16"),
+            (["--tokenizer", str(tmp_path)], "--tokenizer"), (["--out-dir", str(as_file)], "is a file"),
+            (["--log-to", "stdout,mlflow"], "mlflow"), (["--corpus", str(tmp_path / "nope.txt")], "does not exist"),
+            # every numeric flag has its range in one table (argparse types): flag, value and range in one line
+            (["--mask-prob", "1.5"], "--mask-prob: 1.5 is out of range (allowed: 0 < x <= 1)"),
+            (["--warmup", "2"], "--warmup: 2 is out of range (allowed: 0 <= x <= 1)"),
+            (["--lr", "-1"], "--lr: -1 is out of range (allowed: x >= 0)"),
+            (["--dropout", "1"], "--dropout: 1 is out of range"), (["--seed", "-1"], "--seed: -1 is out of range"),
+            (["--epochs", "two"], "--epochs: 'two' is not an integer"),
+            (["--model-size", "huge"], "invalid choice")]
 
+
+# Run end to end (exit code 2, one line on stderr, no traceback): one case of each place an input error is
+# found (argparse, validate() with mlflow hidden, the device's precision, plan_run, a choice); the rest are
+# checked in-process by test_bad_input_is_found_before_training_in_one_line.
+END_TO_END = ("--mask-prob", "--log-to", "--amp", "--out-dir", "--model-size")
+
+
+def test_bad_input_is_found_before_training_in_one_line(tmp_path, corpus, tok_dir, capsys, monkeypatch):
+    """Every bad input of bad_input_cases is an argparse error (exit code 2, one line) or a UserError
+    (__main__ prints its one line and exits with 2) raised in the steps main() takes before any
+    training: parse_args, validate, the precision, plan_run."""
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as when it is not installed: import mlflow fails
+    base = ["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o")]
+    for extra, message in bad_input_cases(tmp_path):
+        with pytest.raises((SystemExit, *P.USER_ERRORS)) as error:
+            args = P.parse_args([*base, *extra])
+            P.validate(args)
+            P.choose_amp_dtype(args, torch.device("cpu"))
+            P.plan_run(args, 1, torch.device("cpu"), None, {})
+        stderr = capsys.readouterr().err
+        if error.type is SystemExit:
+            assert error.value.code == 2 and len(stderr.strip().splitlines()) == 1, (extra, stderr)
+            assert message in stderr, (extra, stderr)
+        else:
+            assert message in str(error.value) and len(str(error.value).splitlines()) == 1, (extra, error.value)
+
+
+@pytest.mark.slow
+def test_bad_input_one_line_errors(tmp_path, corpus, tok_dir):
+    """End to end, one case of each place (END_TO_END): exit code 2, one line, no traceback."""
+    base = ["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o")]
+    cases = [(extra, message) for extra, message in bad_input_cases(tmp_path) if extra[0] in END_TO_END]
+    assert len(cases) == len(END_TO_END)
     # mlflow is hidden (as when it is not installed), so that the verdict does not depend on this machine
     hidden = tmp_path / "hidden" / "mlflow"
     hidden.mkdir(parents=True)
@@ -167,11 +208,9 @@ def test_bad_input_one_line_errors(tmp_path, corpus, tok_dir):
         assert proc.returncode == 2, (extra, stderr)
         assert message in stderr and "Traceback" not in stderr, (extra, stderr)
         assert len(stderr.strip().splitlines()) == 1, (extra, stderr)
-    result = subprocess.run(
-        [sys.executable, SCRIPT, "--model-size", "huge"], capture_output=True, text=True, timeout=60, env=env())
-    assert result.returncode == 2 and "invalid choice" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_bad_tokenizer_under_torchrun_does_not_hang(tmp_path, corpus):
     result = run(["--corpus", corpus, "--tokenizer", str(tmp_path), "--out-dir", str(tmp_path / "o")], nproc=2,
                  timeout=120)
@@ -302,15 +341,35 @@ def planned_lr(lr, total, warmup, step):
     return lr * (pos + 1) / warmup if pos < warmup else lr * (total - pos) / (total - warmup)
 
 
-def test_logged_lr_is_the_plan_every_step_and_after_a_resume(tmp_path, corpus, tok_dir):
+def lr_run_args(corpus, tok_dir, out):
+    return ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out, *FAST,
+            "--max-steps", "12", "--warmup", "0.25", "--lr", "1e-3", "--save-every", "4", "--keep-last", "5",
+            "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def lr_run(tmp_path_factory, corpus, tok_dir):
+    """One finished fp32 run of 12 steps (a checkpoint every 4), shared by the tests that resume it:
+    each resumes its own copy. Returns (out dir, its stdout)."""
+    out = str(tmp_path_factory.mktemp("lr_run") / "run")
+    first = run(lr_run_args(corpus, tok_dir, out))
+    assert first.returncode == 0, first.stderr[-3000:]
+    return out, first.stdout
+
+
+def copy_of(run_dir, tmp_path):
+    out = str(tmp_path / "run")
+    shutil.copytree(run_dir, out)
+    return out
+
+
+@pytest.mark.slow
+def test_logged_lr_is_the_plan_every_step_and_after_a_resume(tmp_path, corpus, tok_dir, lr_run):
     """12 steps, --warmup 0.25: 3 warmup steps to the peak, linear decay to 0 at step 12; a run
     resumed from step 4 logs the same LR at every step."""
-    out = str(tmp_path / "run")
-    args = ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out, *FAST,
-            "--max-steps", "12", "--warmup", "0.25", "--lr", "1e-3", "--save-every", "4", "--keep-last", "5"]
-    first = run(args)
-    assert first.returncode == 0, first.stderr[-3000:]
-    lrs = logged(first.stdout, "train/lr")
+    out = copy_of(lr_run[0], tmp_path)
+    args = lr_run_args(corpus, tok_dir, out)
+    lrs = logged(lr_run[1], "train/lr")
     expected = {k: planned_lr(1e-3, 12, 3, k) for k in range(1, 13)}
     assert lrs.keys() == expected.keys() and max(lrs.values()) == pytest.approx(1e-3, rel=1e-3)
     assert all(lrs[k] == pytest.approx(expected[k], rel=1e-3, abs=1e-9) for k in expected), (lrs, expected)
@@ -319,6 +378,7 @@ def test_logged_lr_is_the_plan_every_step_and_after_a_resume(tmp_path, corpus, t
     assert logged(resumed.stdout, "train/lr") == {k: lrs[k] for k in range(5, 13)}
 
 
+@pytest.mark.slow
 def test_fp16_with_grad_scaler_on_cpu_skips_overflows_and_resumes_the_scale(tmp_path, corpus, tok_dir):
     """fp16 autocast + GradScaler on the CPU (tests/_fp16_cpu.py), starting at a loss scale of 1.6e6
     so that the first steps overflow: they are skipped (the weights stay) but count as steps, as
@@ -353,6 +413,7 @@ def test_fp16_with_grad_scaler_on_cpu_skips_overflows_and_resumes_the_scale(tmp_
 
 
 
+@pytest.mark.slow
 def test_two_rank_eval_equals_one_rank_eval(tmp_path, corpus, tok_dir):
     """Eval metrics are global: 2 ranks, each holding part of the eval set, report what 1 rank
     reports (--lr 0 keeps the initial weights, which the seed makes equal)."""
@@ -429,24 +490,23 @@ def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
     assert P.gpu_peak("NVIDIA T400 4GB", fp16, False) is None
 
 
-def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir):
+@pytest.mark.slow
+def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir, lr_run):
     """fp32 checkpoint resumed with fp16 + GradScaler (a disabled scaler saved {}: loading it into an
     enabled one used to raise), and that fp16 checkpoint resumed in fp32: both run on, each says so."""
-    out = str(tmp_path / "run")
+    out = copy_of(lr_run[0], tmp_path)  # fp32, 12 steps, a checkpoint every 4
     helper = [sys.executable, os.path.join(ROOT, "tests", "_fp16_cpu.py"), "1024"]
-    args = ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out, *FAST,
-            "--save-every", "2", "--num-workers", "0"]
+    args = lr_run_args(corpus, tok_dir, out)
     step = lambda n: ["--resume", os.path.join(out, "checkpoints", f"step_00000{n}")]  # noqa: E731
-    fp32 = run([*args, "--max-steps", "6"])  # a full plan: its LR is 0 at the end, so resume mid-way
-    assert fp32.returncode == 0, fp32.stderr[-3000:]
-    fp16 = subprocess.run([*helper, *args, "--max-steps", "6", *step(2)], capture_output=True, text=True,
+    # a full plan's LR is 0 at its end, so each resumes mid-way
+    fp16 = subprocess.run([*helper, *args, *step(4)], capture_output=True, text=True,
                           timeout=240, env=env(), cwd=ROOT)
     assert fp16.returncode == 0, fp16.stderr[-3000:]
     assert "resumed from" in fp16.stdout and "a fresh GradScaler starts" in fp16.stderr
     assert logged(fp16.stdout, "train/loss_scale")  # fp16 really ran
-    back = run([*args, "--max-steps", "6", *step(4)])
+    back = run([*args, *step(8)])  # the fp16 run's checkpoint
     assert back.returncode == 0 and "resumed from" in back.stdout, back.stderr[-3000:]
-    assert summary(out)["steps"] == 6
+    assert summary(out)["steps"] == 12
 
 
 def test_no_host_read_in_a_forward_and_backward():
@@ -494,6 +554,7 @@ def test_no_host_read_in_a_forward_and_backward():
         assert plain_reads >= 1 and torch.allclose(out, reference, atol=1e-5), (out, reference)
 
 
+@pytest.mark.slow  # dynamo compiles: seconds of work
 def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     """--compile: rows (the last batches of an epoch), masked-token counts and a mask or none vary;
     with the varying sizes marked dynamic dynamo compiles once per mask kind, never per size. Also

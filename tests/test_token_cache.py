@@ -189,6 +189,7 @@ for seed, epoch in {passes!r}:
 """
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
 def test_two_processes_fill_one_cache(corpus, tokenizer, tmp_path, monkeypatch):
     tok_dir, cache, go = str(tmp_path / "tok"), str(tmp_path / "tc"), str(tmp_path / "go")
     tokenizer.save_pretrained(tok_dir)

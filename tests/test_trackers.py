@@ -13,6 +13,8 @@ import threading
 import pytest
 from conftest import ROOT
 
+pytestmark = pytest.mark.slow  # every test here starts the trainer
+
 SCRIPT = os.path.join(ROOT, "pretrain_ddp.py")
 FAST = ["--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--num-workers", "0"]
 

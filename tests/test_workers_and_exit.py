@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import ROOT
 
@@ -28,6 +29,7 @@ def test_workers_start_from_a_forkserver_and_the_eval_loader_persists(corpus, to
     assert P.make_loader(stream, 0, torch.device("cpu"), 60).timeout == 0  # no worker: nothing to wait for
 
 
+@pytest.mark.slow
 def test_a_hung_worker_ends_the_run_in_one_line(tmp_path, corpus, tokenizer):
     """A worker that never sends a batch: the rank stops after --dist-timeout (0.25 min here) with one
     line, not a silent hang (before: forever). The verdict does not depend on load: the worker never
