@@ -651,117 +651,60 @@ def replan(plan, pos, step, args, batch):
 
 # ----------------------------------------------------------------------------- logging
 
-def make_logger(log_to, out_dir, config, tracker_runs):
-    """A function log(scalars, step) writing to each chosen sink, a close() for the end, and the run
-    ids of the experiment trackers, for the checkpoints: given the resumed checkpoint's, each tracker
-    continues its run. A tracker that fails (no server, no login, a server gone mid-run) is dropped
-    with one warning line: training goes on with the other sinks."""
-    sinks, closers, trackers, tracker_runs = [], [], {}, dict(tracker_runs)
-    if "stdout" in log_to:
-        sinks.append(lambda s, step: print(f"step {step}: " + ", ".join(
-            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items()), flush=True))
-    if "tensorboard" in log_to:
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(out_dir)
-        writer.add_text("config", json.dumps(config, indent=1))
-        sinks.append(lambda s, step: [writer.add_scalar(k, v, step) for k, v in s.items()])
-        closers.append(writer.close)
-    for name, start in (("mlflow", start_mlflow), ("wandb", start_wandb)):
-        if name in log_to:
-            try:
-                write, finish, tracker_runs[name] = start(out_dir, config, tracker_runs.get(name))
-                trackers[name] = (write, finish)
-            except Exception as e:  # whatever the tracker's client raises: it must not end the training
-                tracker_failed(name, e)
+def say(line):
+    print(line, flush=True)
 
-    def log(scalars, step):
-        for sink in sinks:
-            sink(scalars, step)
-        for name, (write, _) in list(trackers.items()):
+
+def warn(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+class Logger:
+    """logger(scalars, step) writes to each sink of --log-to; close() at the end. runs: the
+    experiment trackers' run ids, kept in the checkpoints: given the resumed checkpoint's, each
+    tracker continues its run. A tracker that fails (no server, no login, a server gone mid-run)
+    is dropped with one warning line: training goes on with the other sinks."""
+
+    def __init__(self, log_to, out_dir, config, runs):
+        self.stdout, self.writer, self.trackers, self.runs = "stdout" in log_to, None, {}, dict(runs)
+        if "tensorboard" in log_to:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(out_dir)
+            self.writer.add_text("config", json.dumps(config, indent=1))
+        for name in ("mlflow", "wandb"):
+            if name in log_to:
+                import trackers  # only here: the core runs without the trackers' packages
+                try:
+                    write, finish, self.runs[name] = trackers.STARTS[name](out_dir, config, self.runs.get(name),
+                                                                           say, warn)
+                    self.trackers[name] = (write, finish)
+                except Exception as e:  # whatever the tracker's client raises: it must not end the training
+                    warn(trackers.failed_line(name, e))
+
+    def __call__(self, scalars, step):
+        if self.stdout:
+            say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in scalars.items()))
+        if self.writer is not None:
+            for k, v in scalars.items():
+                self.writer.add_scalar(k, v, step)
+        for name, (write, _) in list(self.trackers.items()):
             try:
                 write(scalars, step)
             except Exception as e:
-                tracker_failed(name, e)
-                del trackers[name]
+                import trackers
+                warn(trackers.failed_line(name, e))
+                del self.trackers[name]
 
-    def close():
-        for close_sink in closers:
-            close_sink()
-        for name, (_, finish) in trackers.items():
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+        for name, (_, finish) in self.trackers.items():
             try:
                 finish()
             except Exception as e:
-                tracker_failed(name, e)
-
-    return log, close, tracker_runs
-
-
-def tracker_failed(name, error):
-    """One line for a tracker dropped, not its client's traceback: the run is worth more than its logs."""
-    message = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
-    if len(message) > 300:  # a client's wrapped errors: what was tried comes first, the cause last
-        message = f"{message[:140]} ... {message[-140:]}"
-    fix = {"mlflow": "check MLFLOW_TRACKING_URI", "wandb": "wandb login, or WANDB_MODE=offline"}[name]
-    print(f"warning: --log-to {name}: {message}; training goes on without {name} ({fix}, or drop it "
-          "from --log-to)", file=sys.stderr, flush=True)
-
-
-def start_mlflow(out_dir, config, run_id):
-    """(log, finish, run id) of the out dir's MLflow run; run_id: the resumed checkpoint's, continued.
-    MLFLOW_TRACKING_URI and MLFLOW_EXPERIMENT_NAME say where, as MLflow users expect; without them a
-    sqlite database in the working directory, MLflow's recommended local backend (its file store,
-    ./mlruns, is in maintenance mode and refuses to start)."""
-    # MLflow's defaults (a 120 s timeout, 7 retries with backoff from 2 s doubling) would stall training
-    # for many minutes on a server that does not answer; these give up within ~35 s (a refused
-    # connection: ~4 s). The user's values win.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-    import mlflow
-    from mlflow.exceptions import MlflowException
-    if not os.environ.get("MLFLOW_TRACKING_URI"):
-        mlflow.set_tracking_uri("sqlite:///" + os.path.abspath("mlflow.db"))
-    uri = mlflow.get_tracking_uri()
-    active = None
-    if run_id:
-        try:
-            active = mlflow.start_run(run_id=run_id)
-        except MlflowException as e:
-            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
-                raise
-            print(f"warning: --log-to mlflow: the checkpoint's run {run_id} is not at {uri}; starting a new run",
-                  file=sys.stderr)
-    if active is None:
-        active = mlflow.start_run(run_name=os.path.basename(out_dir))
-    params, logged = {k: str(v) for k, v in config.items()}, active.data.params  # a resumed run has some
-    mlflow.log_params({k: v for k, v in params.items() if k not in logged})
-    # Params are write-once in MLflow: a value this resume changed (e.g. --max-steps) goes to a tag.
-    changed = {f"resumed/{k}": v for k, v in params.items() if k in logged and logged[k] != v}
-    if changed:
-        mlflow.set_tags(changed)
-    run_id, experiment = active.info.run_id, active.info.experiment_id
-    where = f"{uri}/#/experiments/{experiment}/runs/{run_id}" if uri.startswith("http") else \
-        f"mlflow ui --backend-store-uri {uri}"
-    print(f"mlflow: {'continuing' if logged else 'new'} run {run_id} (experiment {experiment}) at {uri}; "
-          f"open it with: {where}", flush=True)
-    return (lambda s, step: mlflow.log_metrics(s, step=step)), mlflow.end_run, run_id
-
-
-def start_wandb(out_dir, config, run_id):
-    """(log, finish, run id) of the out dir's W&B run; run_id: the resumed checkpoint's, continued.
-    The WANDB_* variables apply as W&B users expect (WANDB_PROJECT, WANDB_ENTITY, WANDB_MODE=offline
-    for no network, ...); by default the run is named after the out dir and its files go in it."""
-    # wandb waits 90 s (+10) for a server that does not answer; training goes on after ~30 s. The user's value wins.
-    os.environ.setdefault("WANDB_INIT_TIMEOUT", "20")
-    import wandb
-    run = wandb.init(config=config, id=run_id, resume="allow" if run_id else None,
-                     name=None if os.environ.get("WANDB_NAME") else os.path.basename(out_dir),
-                     dir=None if os.environ.get("WANDB_DIR") else out_dir)
-    # Our step, not wandb's own: wandb drops a step below the run's last one, which is what a resume
-    # from a checkpoint older than the last log sends.
-    run.define_metric("step")
-    run.define_metric("*", step_metric="step")
-    return (lambda s, step: run.log({**s, "step": step})), run.finish, run.id
+                import trackers
+                warn(trackers.failed_line(name, e))
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -1362,10 +1305,9 @@ def main(argv=None):
     step_in_plan = config["effective_batch"] / plan["batch"]  # 1 unless resumed on another world size
 
     # --- logging and the signals that stop every rank at the same step
-    log, close_log, tracker_runs = (lambda s, step: None), (lambda: None), {}
+    log = Logger(args.log_to.split(",") if master else [], out_dir, config,
+                 resumed["meta"].get("tracker_runs", {}) if resumed else {})
     if master:
-        log, close_log, tracker_runs = make_logger(args.log_to.split(","), out_dir, config,
-                                                   resumed["meta"].get("tracker_runs", {}) if resumed else {})
         n_params = sum(p.numel() for p in raw_model.parameters())
         estimate = run["estimate"]
         print(f"config: {json.dumps(config)}")
@@ -1434,7 +1376,7 @@ def main(argv=None):
                     "world_size": world_size, "num_workers": args.num_workers, "config": config,
                     "plan": plan, "plan_pos": plan_pos, "estimate": run["estimate"],
                     "tokenizer_hash": run["tokenizer_hash"], "fingerprint": run["fingerprint"],
-                    "tracker_runs": tracker_runs}
+                    "tracker_runs": log.runs}
             trainer = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict(),
                        "scaler": scaler.state_dict()}
             path = save_checkpoint(os.path.join(out_dir, "checkpoints"), step,
@@ -1585,7 +1527,7 @@ def main(argv=None):
         with open(os.path.join(out_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         export_hf(raw_model.hf, tokenizer, out_dir)
-        close_log()
+        log.close()
     leave_group()
 
 
