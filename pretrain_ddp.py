@@ -21,7 +21,6 @@ import math
 import multiprocessing
 import os
 import pickle
-import random
 import re
 import select
 import shutil
@@ -34,7 +33,6 @@ import time
 import uuid
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -294,12 +292,8 @@ def join_group(device, timeout, newest_step):
 
 def newest_local_step(args):
     """The step of the newest checkpoint this process sees in its own out dir, -1 if none."""
-    out_dir = args.out_dir or default_out_dir()
-    try:
-        with open(os.path.join(out_dir, "checkpoints", "latest")) as f:
-            return int(f.read().strip()[5:]) if args.resume == "auto" else -1
-    except (OSError, ValueError):
-        return -1
+    latest = read_latest(os.path.join(args.out_dir or default_out_dir(), "checkpoints"))
+    return int(latest[5:]) if latest and args.resume == "auto" else -1
 
 
 def default_out_dir():
@@ -427,13 +421,6 @@ def new_architecture(model_size, vocab_size, max_seq_len, pad_id):
             "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
 
 
-def architecture_of(config, pad_id):
-    """The architecture of a run from its config (a checkpoint's meta), also of runs written before
-    architectures were kept (built from scratch: the size, vocabulary and length say it all)."""
-    return config.get("architecture") or new_architecture(config["model_size"], config["vocab"],
-                                                          config["max_seq_len"], pad_id)
-
-
 def size_name(architecture):
     """'tiny' .. 'large' for the sizes of MODEL_SIZES, else e.g. '6L-384H-12A'."""
     a = architecture
@@ -448,10 +435,6 @@ def model_from(architecture, objective, dropout):
     from transformers import BertConfig, BertForMaskedLM, BertForPreTraining
     config = BertConfig(**{**architecture, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
     return (BertForPreTraining if objective == "nsp" else BertForMaskedLM)(config)
-
-
-def build_model(model_size, objective, vocab_size, max_seq_len, dropout, pad_id):
-    return model_from(new_architecture(model_size, vocab_size, max_seq_len, pad_id), objective, dropout)
 
 
 def train_flops(config, batch):
@@ -787,9 +770,17 @@ def read_checkpoint(path):
 
 
 def point_latest(root, name):
-    pointer = os.path.join(root, "latest")
-    _write(pointer + ".tmp", lambda f: f.write(name.encode()))
-    os.replace(pointer + ".tmp", pointer)
+    data_stream.atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
+
+
+def read_latest(root):
+    """The name of the checkpoint that root/latest points to ('step_000400'), None if none."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return name if name.startswith("step_") and name[5:].isdigit() else None
 
 
 def choose_checkpoint(args, root):
@@ -814,11 +805,8 @@ def choose_checkpoint(args, root):
         return None, None
     path, loaded = None, None
     if args.resume == "auto":
-        try:
-            with open(os.path.join(root, "latest")) as f:
-                newest = int(f.read().strip()[5:])
-        except (OSError, ValueError):
-            newest = None
+        latest = read_latest(root)
+        newest = int(latest[5:]) if latest else None
         for s in sorted((s for s in steps if newest is None or s <= newest), reverse=True):
             loaded, problem = read_checkpoint(os.path.join(root, steps[s]))
             if loaded is not None:
@@ -849,19 +837,20 @@ def choose_checkpoint(args, root):
     return path, loaded
 
 
-def fetch_checkpoint(run, rank0_only):
-    """Collective: rank 0's chosen checkpoint (None: a fresh start) on every rank. A rank that can
-    read the same files (a shared out dir; checked against rank 0's checksums) loads them itself,
-    ~15x faster than receiving them pickled over gloo (BENCHMARKS.md); if any rank cannot, rank 0
-    sends them to all."""
-    if run["path"] is None:
-        return None
-    loaded = rank0_only.get("resumed")
-    if loaded is None and os.path.isdir(run["path"]):
-        loaded, _ = read_checkpoint(run["path"])
-        if loaded is not None and loaded["sha256"] != run["sha256"]:
-            loaded = None  # another checkpoint under the same name (node-local out dirs)
-    return unless_local(loaded)
+def fetch(mine, path, read, same):
+    """Collective: what rank 0 read from path (mine, None on the other ranks; a checkpoint or the
+    --init-from weights) on every rank. A rank that can read the same files (a shared out dir, the
+    same model on each node; same() compares with rank 0's checksums) reads them itself, ~15x
+    faster than receiving them pickled over gloo (BENCHMARKS.md); if any rank cannot, rank 0 sends
+    them to all."""
+    if mine is None and os.path.exists(path):
+        try:
+            mine = read()
+        except USER_ERRORS:
+            mine = None
+        if mine is not None and not same(mine):
+            mine = None  # another checkpoint or model under the same name (node-local out dirs)
+    return unless_local(mine)
 
 
 def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_workers):
@@ -896,19 +885,14 @@ def weights_checksum(state_dict):
 
 
 def rng_states(device):
-    """This rank's RNG states, as tensors and plain lists (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
-    return {"python": json.dumps(random.getstate()), "torch": torch.get_rng_state(),
-            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+    """This rank's torch RNG states, which dropout draws from (nothing draws from Python's or
+    NumPy's global RNG: the stream's masking and shuffling have generators of their own)."""
+    return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def set_rng_states(states, device):
-    version, internal, gauss = json.loads(states["python"])
-    random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(states["torch"])
-    kind, keys, *rest = states["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
     if device.type == "cuda" and states["cuda"] is not None:
         torch.cuda.set_rng_state(states["cuda"], device)
 
@@ -917,10 +901,19 @@ def export_hf(hf_model, tokenizer, out_dir):
     """A Hugging Face folder (safetensors + tokenizer), written aside and renamed into place."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
-    final, tmp = os.path.join(out_dir, "hf"), os.path.join(out_dir, ".tmp-hf")
+
+    def write(folder):
+        hf_model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    replace_folder(os.path.join(out_dir, "hf"), write)
+
+
+def replace_folder(final, write):
+    """write(folder) into a temporary folder beside final, then renamed over it: a reader sees the
+    old folder or the whole new one. (A checkpoint's save has its own steps: save_checkpoint.)"""
+    tmp = os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
     shutil.rmtree(tmp, ignore_errors=True)
-    hf_model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    write(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
 
@@ -935,9 +928,9 @@ HEADS = ("cls.", "bert.pooler.")
 
 def init_source(path):
     """(kind, folder, its tokenizer folder or None) named by --init-from PATH; kind: checkpoint or hf."""
-    if os.path.isfile(os.path.join(path, "checkpoints", "latest")):  # a run's out dir
-        with open(os.path.join(path, "checkpoints", "latest")) as f:
-            path = os.path.join(path, "checkpoints", f.read().strip())
+    latest = read_latest(os.path.join(path, "checkpoints"))
+    if latest:  # a run's out dir
+        path = os.path.join(path, "checkpoints", latest)
     elif os.path.isfile(os.path.join(path, "hf", "config.json")):  # a run's out dir without checkpoints
         path = os.path.join(path, "hf")
     if os.path.isfile(os.path.join(path, "manifest.json")):
@@ -966,7 +959,7 @@ def load_init(kind, folder, objective, seed):
         loaded, problem = read_checkpoint(folder)
         if loaded is None:
             fail(f"--init-from {folder} cannot be used: {problem}")
-        architecture = architecture_of(loaded["meta"]["config"], 0)
+        architecture = loaded["meta"]["config"]["architecture"]
         model = model_from(architecture, objective, 0.0)
         missing, unexpected = model.load_state_dict(loaded["trainer.pt"]["model"], strict=False)
     else:
@@ -997,34 +990,16 @@ def load_init(kind, folder, objective, seed):
     return model.state_dict(), architecture, notes
 
 
-def fetch_init(run, rank0_only):
-    """Collective: the --init-from weights on every rank. A rank that can read the source loads it
-    itself (checked against rank 0's checksum); if any rank cannot, rank 0 sends them to all."""
-    init = run["init"]
-    weights = rank0_only.get("init_weights")
-    if weights is None and os.path.exists(init["folder"]):
-        try:
-            weights = load_init(init["kind"], init["folder"], init["objective"], init["seed"])[0]
-        except USER_ERRORS:
-            weights = None
-        if weights is not None and weights_checksum(weights) != init["checksum"]:
-            weights = None  # another model under the same name on this node
-    return unless_local(weights)
-
-
 # ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
-
-tokenizer_hash = data_stream.tokenizer_hash
-
 
 def run_tokenizer(args, out_dir, resumed, path, init_tokenizer):
     """Rank 0: the run's tokenizer, kept as <out>/tokenizer. WordPiece training differs from one
     process to the next, so it happens once per run, here; a resume loads the kept one, an
     --init-from run the source's."""
-    kept = os.path.join(out_dir, "tokenizer")
+    kept, hash_of = os.path.join(out_dir, "tokenizer"), data_stream.tokenizer_hash
     if args.tokenizer:
         tokenizer, source = data_stream.get_tokenizer(args.tokenizer), f"--tokenizer {args.tokenizer}"
-        if init_tokenizer and tokenizer_hash(data_stream.get_tokenizer(init_tokenizer)) != tokenizer_hash(tokenizer):
+        if init_tokenizer and hash_of(data_stream.get_tokenizer(init_tokenizer)) != hash_of(tokenizer):
             fail(f"--tokenizer {args.tokenizer} is not the tokenizer of --init-from {args.init_from} "
                  f"({init_tokenizer}), whose embeddings are that one's: drop --tokenizer")
     elif init_tokenizer:
@@ -1036,15 +1011,12 @@ def run_tokenizer(args, out_dir, resumed, path, init_tokenizer):
                                          args.language)
         tokenizer = data_stream.get_tokenizer(None, corpus, args.vocab_size, args.tokenizer_sample_mb)
         source = f"trained on --corpus {args.corpus}"
-    before = resumed["meta"].get("tokenizer_hash") if resumed else None
-    if before not in (None, tokenizer_hash(tokenizer)):
+    before = resumed["meta"]["tokenizer_hash"] if resumed else None
+    if before not in (None, hash_of(tokenizer)):
         fail(f"cannot resume from {path}: it trained with tokenizer {before}, this run's ({source}) is "
-             f"{tokenizer_hash(tokenizer)}; give the run's own (--tokenizer {kept}) or another --out-dir")
-    if not os.path.isdir(kept) or tokenizer_hash(data_stream.get_tokenizer(kept)) != tokenizer_hash(tokenizer):
-        shutil.rmtree(kept + ".tmp", ignore_errors=True)
-        tokenizer.save_pretrained(kept + ".tmp")
-        shutil.rmtree(kept, ignore_errors=True)
-        os.rename(kept + ".tmp", kept)
+             f"{hash_of(tokenizer)}; give the run's own (--tokenizer {kept}) or another --out-dir")
+    if not os.path.isdir(kept) or hash_of(data_stream.get_tokenizer(kept)) != hash_of(tokenizer):
+        replace_folder(kept, tokenizer.save_pretrained)
     return data_stream.get_tokenizer(kept)
 
 
@@ -1075,7 +1047,7 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
     tokenizer = run_tokenizer(args, out_dir, resumed, path, init and init["tokenizer"])
     if resumed is not None:
         before, source = resumed["meta"]["config"], f"the checkpoint {path}"
-        architecture = architecture_of(before, tokenizer.pad_token_id)
+        architecture = before["architecture"]
     elif init is None:
         architecture = new_architecture(args.model_size or "tiny", len(tokenizer), args.max_seq_len,
                                         tokenizer.pad_token_id)
@@ -1098,7 +1070,7 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
               "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32",
               "effective_batch": effective_batch}
     run = {"out_dir": out_dir, "path": path, "sha256": resumed and resumed["sha256"], "corpus_changed": False,
-           "fingerprint": stream.fingerprint(), "tokenizer_hash": tokenizer_hash(tokenizer), "init": init}
+           "fingerprint": stream.fingerprint(), "tokenizer_hash": data_stream.tokenizer_hash(tokenizer), "init": init}
     if resumed is None:
         plan, estimate = new_lr_plan(args, stream, world_size)
         run.update(plan=plan, plan_pos=0.0, estimate=estimate)
@@ -1110,8 +1082,6 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
         if changed:
             fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
                  "or --resume none --overwrite")
-        if "plan" not in meta:
-            fail(f"cannot resume from {path}: it was written by an older pretrain_ddp.py (no LR plan)")
         if meta["fingerprint"] != run["fingerprint"]:
             if not args.allow_corpus_change:
                 fail(f"cannot resume from {path}: the corpus changed (checkpoint {meta['fingerprint']}, now "
@@ -1160,7 +1130,7 @@ def load_run(args, run, rank0_only):
         except USER_ERRORS as e:
             error = str(e)
     agree(error)
-    verify("the tokenizer", tokenizer_hash(tokenizer))
+    verify("the tokenizer", data_stream.tokenizer_hash(tokenizer))
     verify(f"the corpus of --corpus {args.corpus}", stream.fingerprint())
     eval_corpus = args.eval_corpus or ("builtin" if args.corpus == "builtin" else "none")
     eval_stream, eval_state = None, None
@@ -1283,7 +1253,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     hf_model = model_from(config["architecture"], args.objective, args.dropout)
     if run["init"]:
-        hf_model.load_state_dict(fetch_init(run, rank0_only))
+        source = [run["init"][k] for k in ("kind", "folder", "objective", "seed")]
+        hf_model.load_state_dict(fetch(rank0_only.get("init_weights"), source[1], lambda: load_init(*source)[0],
+                                       lambda weights: weights_checksum(weights) == run["init"]["checksum"]))
     raw_model = Pretraining(hf_model).to(device)
     decay = [p for n, p in raw_model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
     no_decay = [p for n, p in raw_model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
@@ -1294,7 +1266,8 @@ def main(argv=None):
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     amp_ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
     torch.manual_seed(args.seed + rank)  # dropout differs per rank (a same-size resume restores its RNG)
-    resumed = fetch_checkpoint(run, rank0_only)
+    resumed = run["path"] and fetch(rank0_only.get("resumed"), run["path"], lambda: read_checkpoint(run["path"])[0],
+                                    lambda loaded: loaded["sha256"] == run["sha256"])
     progress, resume_data = restore(resumed, run["corpus_changed"], raw_model, optimizer, scaler, device,
                                     args.num_workers)
     step, epoch, samples_seen, tokens_seen, flops_done, unused_per_epoch = progress.values()
@@ -1524,8 +1497,8 @@ def main(argv=None):
                    "unused_samples_per_epoch": unused_per_epoch,
                    "stopped_by_signal": stopped, "fp16_overflow_skips": skips, "estimate": run["estimate"],
                    "lr_plan": plan, "lr_plan_position": plan_pos}
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=1)
+        data_stream.atomic_write(os.path.join(out_dir, "summary.json"), lambda f: json.dump(summary, f, indent=1),
+                                 mode="w")
         export_hf(raw_model.hf, tokenizer, out_dir)
         log.close()
     leave_group()
