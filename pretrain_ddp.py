@@ -7,14 +7,16 @@ Pretrain a BERT from scratch with DistributedDataParallel, on one CPU, one GPU o
         --rdzv-id bert1 --max-restarts 3 pretrain_ddp.py --amp   # on each of two nodes
     tensorboard --logdir runs
 
-One loop, top to bottom: config, distributed set-up, data, model, optimizer, train, report.
-The choices that matter for speed and robustness are commented where they are made.
+Top to bottom: the flags, the model, a training step and an evaluation, then main(), the run as
+a story (decide the run, build or restore, the loop, finish); after it the machinery main() calls,
+in sections. The choices that matter for speed and robustness are commented where they are made.
 """
 
 import argparse
 import contextlib
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import math
@@ -145,16 +147,13 @@ def validate(args):
     bad = set(args.log_to.split(",")) - {"stdout", "tensorboard", "mlflow", "wandb"}
     if bad:
         fail(f"--log-to takes stdout, tensorboard, mlflow, wandb; not {', '.join(sorted(bad))}")
-    if "mlflow" in args.log_to.split(","):
-        try:
-            import mlflow  # noqa: F401
-        except ImportError:
-            fail("--log-to mlflow needs the mlflow package: pip install mlflow (or drop mlflow from --log-to)")
-    if "wandb" in args.log_to.split(","):
-        try:
-            import wandb  # noqa: F401
-        except ImportError:
-            fail("--log-to wandb needs the wandb package: pip install wandb (or drop wandb from --log-to)")
+    for tracker in ("mlflow", "wandb"):
+        if tracker in args.log_to.split(","):
+            try:
+                importlib.import_module(tracker)
+            except ImportError:
+                fail(f"--log-to {tracker} needs the {tracker} package: pip install {tracker} (or drop {tracker} "
+                     "from --log-to)")
 
 
 # ----------------------------------------------------------------------------- model
@@ -448,7 +447,7 @@ def cpu_has_native_bf16():
 
 
 def choose_amp_dtype(args, device):
-    """None (fp32), torch.bfloat16 or torch.float16."""
+    """The autocast dtype for --amp on this device: None (fp32), torch.bfloat16 or torch.float16."""
     if not args.amp:
         return None
     if device.type == "cuda":
@@ -1377,6 +1376,7 @@ class Logger:
 
     def __init__(self, log_to, out_dir, config, runs):
         self.stdout, self.writer, self.trackers, self.runs = "stdout" in log_to, None, {}, dict(runs)
+        self.failed = None  # trackers.failed_line, once a tracker is asked for
         if "tensorboard" in log_to:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(out_dir)
@@ -1384,12 +1384,13 @@ class Logger:
         for name in ("mlflow", "wandb"):
             if name in log_to:
                 import trackers  # only here: the core runs without the trackers' packages
+                self.failed = trackers.failed_line
                 try:
                     write, finish, self.runs[name] = trackers.STARTS[name](out_dir, config, self.runs.get(name),
                                                                            say, warn)
                     self.trackers[name] = (write, finish)
                 except Exception as e:  # whatever the tracker's client raises: it must not end the training
-                    warn(trackers.failed_line(name, e))
+                    warn(self.failed(name, e))
 
     def __call__(self, scalars, step):
         if self.stdout:
@@ -1402,8 +1403,7 @@ class Logger:
             try:
                 write(scalars, step)
             except Exception as e:
-                import trackers
-                warn(trackers.failed_line(name, e))
+                warn(self.failed(name, e))
                 del self.trackers[name]
 
     def close(self):
@@ -1413,8 +1413,7 @@ class Logger:
             try:
                 finish()
             except Exception as e:
-                import trackers
-                warn(trackers.failed_line(name, e))
+                warn(self.failed(name, e))
 
 
 # ----------------------------------------------------------------------------- data loading
