@@ -462,8 +462,8 @@ def choose_amp_dtype(args, device):
     if args.amp_dtype == "auto" and not cpu_has_native_bf16():
         # Measured here: without avx512_bf16/AMX a BERT step in bf16 autocast is ~28x slower.
         if int(os.environ.get("RANK", "0")) == 0:  # before the group exists: RANK is all there is
-            print("warning: --amp on a CPU without native bf16 would be much slower; training in fp32 "
-                  "(--amp-dtype bf16 forces it)", file=sys.stderr)
+            warn("warning: --amp on a CPU without native bf16 would be much slower; training in fp32 "
+                 "(--amp-dtype bf16 forces it)")
         return None
     return torch.bfloat16
 
@@ -515,7 +515,7 @@ def peak_flops(device, amp_dtype):
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak(name, amp_dtype, torch.get_float32_matmul_precision() != "highest")
         if peak is None and GROUP["rank"] == 0:
-            print(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to GPU_PEAKS)", file=sys.stderr)
+            warn(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to GPU_PEAKS)")
         return peak
     a = torch.randn(2048, 2048, generator=torch.Generator())  # leaves the global RNG (dropout) alone
     best = float("inf")
@@ -549,7 +549,7 @@ def fail(message):
 
 def say_error(message):
     where = f"rank {GROUP['rank']} on {HOST}: " if GROUP["world_size"] > 1 else ""
-    print(f"pretrain_ddp.py: error: {where}{message}", file=sys.stderr, flush=True)
+    warn(f"pretrain_ddp.py: error: {where}{message}")
 
 
 def join_group(device, timeout, newest_step):
@@ -716,8 +716,7 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
     os.makedirs(out_dir, exist_ok=True)
     init, source = None, f"--model-size {args.model_size}"
     if args.init_from and resumed is not None:
-        print(f"note: {out_dir} has checkpoints of its own: resuming them, not --init-from {args.init_from}",
-              file=sys.stderr)
+        warn(f"note: {out_dir} has checkpoints of its own: resuming them, not --init-from {args.init_from}")
     elif args.init_from:
         kind, folder, init_tokenizer = init_source(args.init_from)
         if init_tokenizer is None and not args.tokenizer:
@@ -744,7 +743,7 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
     if len(tokenizer) > architecture["vocab_size"]:
         fail(f"the tokenizer has {len(tokenizer)} tokens, the model of {source} embeds {architecture['vocab_size']}")
     if init and notes:
-        print(f"note: {source}: {'; '.join(notes)}", file=sys.stderr)
+        warn(f"note: {source}: {'; '.join(notes)}")
     stream = make_stream(args, args.corpus, "train", tokenizer, args.seed, True)
     effective_batch = args.batch_size * args.accum_steps * world_size
     config = {**vars(args), "out_dir": out_dir, "world_size": world_size, "device": str(device),
@@ -769,8 +768,7 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
             if not args.allow_corpus_change:
                 fail(f"cannot resume from {path}: the corpus changed (checkpoint {meta['fingerprint']}, now "
                      f"{run['fingerprint']}); --allow-corpus-change restarts the epoch on it, or use another --out-dir")
-            print(f"warning: the corpus changed since {path}; epoch {meta['epoch']} restarts on the new corpus",
-                  file=sys.stderr)
+            warn(f"warning: the corpus changed since {path}; epoch {meta['epoch']} restarts on the new corpus")
             run["corpus_changed"] = True
         plan, pos = meta["plan"], meta["plan_pos"]
         if (before["epochs"], before["max_steps"]) != (args.epochs, args.max_steps):
@@ -778,15 +776,15 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
             if lr_factor(new, pos) == 0 and new["total"] > pos:
                 fail(f"cannot extend {path}: its LR had decayed to 0, so more steps would not train; start a new "
                      f"plan from its weights: --init-from {out_dir} --out-dir ANOTHER_DIR")
-            print(f"warning: --epochs/--max-steps {before['epochs']}/{before['max_steps']} -> {args.epochs}/"
-                  f"{args.max_steps}: the LR plan now ends after {new['total']:.0f} planned steps, not "
-                  f"{plan['total']:.0f}; the LR decays from its current value", file=sys.stderr)
+            warn(f"warning: --epochs/--max-steps {before['epochs']}/{before['max_steps']} -> {args.epochs}/"
+                 f"{args.max_steps}: the LR plan now ends after {new['total']:.0f} planned steps, not "
+                 f"{plan['total']:.0f}; the LR decays from its current value")
             plan = new
         if (meta["world_size"], meta["num_workers"]) != (world_size, args.num_workers):
-            print(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as {world_size} x "
-                  f"{args.num_workers}: the data order is no longer bit-exact (the rest of the epoch is re-sharded; "
-                  f"no document is repeated); the LR plan continues, a step now counts as "
-                  f"{effective_batch / plan['batch']:.3g} planned steps", file=sys.stderr)
+            warn(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as {world_size} x "
+                 f"{args.num_workers}: the data order is no longer bit-exact (the rest of the epoch is re-sharded; "
+                 f"no document is repeated); the LR plan continues, a step now counts as "
+                 f"{effective_batch / plan['batch']:.3g} planned steps")
         run.update(plan=plan, plan_pos=pos, estimate=meta["estimate"])
     config["planned_steps"] = run["plan"]["total"]
     kept = os.path.join(out_dir, "tokenizer")
@@ -852,11 +850,11 @@ def load_run(args, run, rank0_only):
         except data_stream.CorpusError as e:
             eval_state = str(e)
     elif GROUP["rank"] == 0 and args.eval_corpus is None:
-        print("warning: no evaluation: give --eval-corpus for a held-out set", file=sys.stderr)
+        warn("warning: no evaluation: give --eval-corpus for a held-out set")
     states = [state for _, state in gather(eval_state)]
     if eval_corpus != "none" and all(isinstance(state, str) for state in states):
         if GROUP["rank"] == 0:
-            print(f"warning: no evaluation: --eval-corpus {eval_corpus}: {states[0]}", file=sys.stderr)
+            warn(f"warning: no evaluation: --eval-corpus {eval_corpus}: {states[0]}")
         return tokenizer, stream, None
     agree(f"--eval-corpus {eval_corpus}: {eval_state} (rank 0 has it; every rank needs the same eval set)"
           if isinstance(eval_state, str) else None)
@@ -1110,8 +1108,7 @@ def choose_checkpoint(args, root):
             if loaded is not None:
                 path = os.path.join(root, steps[s])
                 break
-            print(f"warning: checkpoint {os.path.join(root, steps[s])} is damaged ({problem}); trying an older one",
-                  file=sys.stderr)
+            warn(f"warning: checkpoint {os.path.join(root, steps[s])} is damaged ({problem}); trying an older one")
         newest = loaded["meta"]["step"] if loaded else newest
     else:
         path = args.resume
@@ -1128,8 +1125,8 @@ def choose_checkpoint(args, root):
         os.makedirs(os.path.dirname(aside), exist_ok=True)
         os.rename(os.path.join(root, steps[s]), aside)
     if abandoned:
-        print(f"warning: checkpoint(s) of step {', '.join(map(str, abandoned))} are newer than the timeline "
-              f"resumed here (step {newest}); moved to {os.path.join(root, 'abandoned')}", file=sys.stderr)
+        warn(f"warning: checkpoint(s) of step {', '.join(map(str, abandoned))} are newer than the timeline "
+             f"resumed here (step {newest}); moved to {os.path.join(root, 'abandoned')}")
     if path is not None and os.path.realpath(os.path.dirname(path)) == os.path.realpath(root):
         point_latest(root, os.path.basename(os.path.normpath(path)))
     return path, loaded
@@ -1174,7 +1171,7 @@ def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_w
     if scaler.is_enabled() and trainer["scaler"]:
         scaler.load_state_dict(trainer["scaler"])
     elif scaler.is_enabled() and GROUP["rank"] == 0:
-        print("note: the checkpoint trained without fp16: a fresh GradScaler starts", file=sys.stderr)
+        warn("note: the checkpoint trained without fp16: a fresh GradScaler starts")
     progress.update({k: meta[k] for k in progress})
     if corpus_changed:
         return progress, None
@@ -1365,7 +1362,7 @@ def say(line):
 
 
 def warn(line):
-    print(line, file=sys.stderr, flush=True)
+    warn(line)
 
 
 class Logger:
