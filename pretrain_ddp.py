@@ -1134,7 +1134,7 @@ def choose_checkpoint(args, root):
 
 def checkpoint(args, run, progress, trainer, stream, device, tracker_runs):
     """Collective: every rank's RNG and data cursor go to rank 0, which writes the checkpoint
-    atomically (once per step: the final save after a save at the last step is none)."""
+    atomically. A step saved already is not saved again (the final save after a save at that step)."""
     if run.get("saved_at") == [progress["step"], progress["epoch"]]:
         return
     run["saved_at"] = [progress["step"], progress["epoch"]]
