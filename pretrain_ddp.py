@@ -1362,7 +1362,7 @@ def say(line):
 
 
 def warn(line):
-    warn(line)
+    print(line, file=sys.stderr, flush=True)
 
 
 class Logger:
