@@ -75,8 +75,8 @@ def progress_printer(enabled, total, what):
 
 def count_documents(stream, doc_ids, epochs, progress):
     """Per document: its sentences, its tokens, and its 'units' per epoch, the quantity that adds up
-    over a shard. nsp: samples, exactly as _nsp_samples plans them (they differ by epoch); mlm: tokens
-    plus the [SEP] that ends every document in the packed stream (the same every epoch)."""
+    over a shard. nsp: samples, exactly as the stream's pair_plans plans them (they differ by epoch);
+    mlm: tokens plus the [SEP] that ends every document in the packed stream (the same every epoch)."""
     nsp = stream.objective == "nsp"
     units = np.zeros((epochs if nsp else 1, len(doc_ids)), np.int32)
     sentences, tokens = np.zeros(len(doc_ids), np.int32), np.zeros(len(doc_ids), np.int32)

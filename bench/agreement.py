@@ -31,7 +31,7 @@ join_s = time.perf_counter() - t0
 rank = P.GROUP["rank"]
 
 torch.manual_seed(0)
-model = P.Pretraining(P.build_model(args.model_size, "nsp", 30522, 128, 0.1, 0))
+model = P.Pretraining(P.model_from(P.new_architecture(args.model_size, 30522, 128, 0), "nsp", 0.1))
 optimizer = torch.optim.AdamW(model.parameters(), fused=True)
 for p_ in model.parameters():
     p_.grad = torch.zeros_like(p_)

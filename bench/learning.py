@@ -6,7 +6,7 @@ Learning verified, not assumed: pretrain_ddp.py vs transformers.Trainer (run_mlm
     python bench/learning.py --steps 2400 --eval-every 600 --seeds 0,1,2
     python bench/learning.py --sides ours --seeds 0 # one side only (e.g. a longer run of ours)
 
-Both sides train the same model (pretrain_ddp.build_model, the same torch seed before it, so the same initial
+Both sides train the same model (pretrain_ddp.model_from, the same torch seed before it, so the same initial
 weights for the same seed), on the same data (builtin's train split), with the same optimizer (torch fused AdamW,
 betas 0.9/0.98, eps 1e-6, decay --weight-decay on params with ndim >= 2 except LayerNorm), the same LR plan
 (pretrain_ddp.lr_factor: warmup (pos+1)/warmup_steps, linear decay to 0 at --steps; given to the Trainer as a
@@ -185,8 +185,8 @@ def trainer_worker(args):
     blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
               for i in range(0, len(ids) // n * n, n)]
     torch.manual_seed(args.seed)  # as pretrain_ddp.py: the seed, then the model (same initial weights)
-    model = pretrain_ddp.build_model(args.model_size, "mlm", len(tok), args.max_seq_len, args.dropout,
-                                     tok.pad_token_id)
+    architecture = pretrain_ddp.new_architecture(args.model_size, len(tok), args.max_seq_len, tok.pad_token_id)
+    model = pretrain_ddp.model_from(architecture, "mlm", args.dropout)
     # pretrain_ddp.py's optimizer groups and settings, and its LR plan (the Trainer's linear schedule starts at 0)
     named = list(model.named_parameters())
     decay = [p for name, p in named if p.ndim >= 2 and "LayerNorm" not in name]
@@ -277,8 +277,9 @@ class Evaluator:
         else:
             state = torch.load(weights, map_location="cpu", weights_only=True)["model"] \
                 if isinstance(weights, str) else weights
-            model = pretrain_ddp.build_model(model_size, "mlm", len(self.tok), self.max_seq_len, 0.0,
-                                             self.tok.pad_token_id)
+            architecture = pretrain_ddp.new_architecture(model_size, len(self.tok), self.max_seq_len,
+                                                         self.tok.pad_token_id)
+            model = pretrain_ddp.model_from(architecture, "mlm", 0.0)
             model.load_state_dict(state)
         model.eval()
         loss_sum, correct = 0.0, 0

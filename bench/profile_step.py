@@ -75,8 +75,8 @@ def main():
         if len(batches) == args.warmup + args.steps + args.profile_steps:
             break
     torch.manual_seed(0)
-    model = P.Pretraining(P.build_model(args.model_size, "mlm", args.vocab_size, args.max_seq_len, args.dropout,
-                                        tokenizer.pad_token_id))
+    architecture = P.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id)
+    model = P.Pretraining(P.model_from(architecture, "mlm", args.dropout))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],

@@ -6,7 +6,7 @@ pretrain_ddp.py's training loop vs Hugging Face transformers.Trainer (the run_ml
 
 Ours: `pretrain_ddp.py --objective mlm` run as a subprocess (its real loop: DataLoader worker,
 prepare, train_step, MLM head on masked rows only), timed from its per-step log lines after
---warmup steps. Trainer: BertForMaskedLM (the same build_model config) on run_mlm's recipe:
+--warmup steps. Trainer: BertForMaskedLM (the same model_from config) on run_mlm's recipe:
 lines tokenized with [CLS]/[SEP], concatenated, cut into max_seq_len blocks (group_texts),
 DataCollatorForLanguageModeling(mlm_probability=0.15), AdamW (torch fused: the Trainer default, like ours), fp32,
 timed with a TrainerCallback from the end of step --warmup to the end of the last step.
@@ -114,7 +114,8 @@ def trainer_worker(args):
     n = args.max_seq_len
     blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
               for i in range(0, len(ids) // n * n, n)]
-    model = pretrain_ddp.build_model(args.model_size, "mlm", len(tok), args.max_seq_len, 0.1, tok.pad_token_id)
+    architecture = pretrain_ddp.new_architecture(args.model_size, len(tok), args.max_seq_len, tok.pad_token_id)
+    model = pretrain_ddp.model_from(architecture, "mlm", 0.1)
     collator = DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15)
     counted = []
 

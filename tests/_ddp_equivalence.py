@@ -48,7 +48,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 for clip in (0.0, 0.5):
     torch.manual_seed(0)
-    model = P.Pretraining(P.build_model("tiny", "nsp", VOCAB, WIDTH, 0.0, 0))
+    model = P.Pretraining(P.model_from(P.new_architecture("tiny", VOCAB, WIDTH, 0), "nsp", 0.0))
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
     ddp = P.wrap_ddp(model, torch.device("cpu"))  # the trainer's DDP settings
     run(ddp, world, lambda everything: everything[rank * ACCUM:(rank + 1) * ACCUM], clip)

@@ -305,7 +305,8 @@ def test_hf_export_loads_offline_and_matches(corpus, clean_run):
     assert len(answers) == 5 and all("token_str" in a for a in answers)
     # The exported model's MLM logits are the training model's (whose head runs sparsely).
     import data_stream
-    trained = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.1, tokenizer.pad_token_id))
+    trained = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
+                                         "nsp", 0.1))
     trained.hf.load_state_dict(final_weights(out))
     trained.eval()
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=8, rank=0, world_size=1)
@@ -375,8 +376,8 @@ def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, 
     other = data_stream.get_tokenizer(other_dir)
     rc, _, err = run_until([*base, "--tokenizer", other_dir])
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
-    assert f"it trained with tokenizer {P.tokenizer_hash(kept)}, this run's (--tokenizer {other_dir}) is " \
-           f"{P.tokenizer_hash(other)}" in err
+    assert f"it trained with tokenizer {data_stream.tokenizer_hash(kept)}, this run's (--tokenizer {other_dir}) is " \
+           f"{data_stream.tokenizer_hash(other)}" in err
     with open(text, "a") as f:
         f.write("\na new document .\nwith two sentences .\n")
     with pytest.raises(P.UserError) as error:  # where rank 0 plans the run; __main__: one line, exit code 2
@@ -395,6 +396,7 @@ class Crash(Exception):
 def crash_on_call(monkeypatch, k):
     """Make the k-th file-system step of a save raise Crash; a crashing _write leaves half its file."""
     real_write, real_rename, real_rmtree, real_fsync = P._write, os.rename, shutil.rmtree, P._fsync_dir
+    real_replace = os.replace
     calls = []
 
     def hook(real, *a, half=False, **kw):
@@ -410,6 +412,7 @@ def crash_on_call(monkeypatch, k):
 
     monkeypatch.setattr(P, "_write", lambda *a: hook(real_write, *a, half=True))
     monkeypatch.setattr(os, "rename", lambda *a: hook(real_rename, *a))
+    monkeypatch.setattr(os, "replace", lambda *a: hook(real_replace, *a))  # the latest pointer's atomic_write
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **kw: hook(real_rmtree, *a, **kw))
     monkeypatch.setattr(P, "_fsync_dir", lambda *a: hook(real_fsync, *a))
 

@@ -55,8 +55,8 @@ def test_phase2_takes_weights_and_tokenizer_then_resumes_its_own(tmp_path, corpu
     assert source.keys() == started.keys() and all(torch.equal(source[k], started[k]) for k in source)
     assert set(final_weights(out)) > set(source)  # the NSP head is there, fresh
     # its tokenizer is the source's (no --tokenizer given, none trained)
-    assert P.tokenizer_hash(data_stream.get_tokenizer(os.path.join(out, "tokenizer"))) == \
-        P.tokenizer_hash(data_stream.get_tokenizer(os.path.join(phase1, "tokenizer")))
+    assert data_stream.tokenizer_hash(data_stream.get_tokenizer(os.path.join(out, "tokenizer"))) == \
+        data_stream.tokenizer_hash(data_stream.get_tokenizer(os.path.join(phase1, "tokenizer")))
     # the same command again: it resumes its own checkpoint, not the source
     rc, stdout, stderr = run_until(cmd)
     assert rc == 0, stderr[-3000:]

@@ -291,7 +291,8 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
     batch, counts = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
     masked = counts["num_masked"]
     torch.manual_seed(0)
-    model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.0, tokenizer.pad_token_id))
+    model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
+                                       "nsp", 0.0))
     before = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.AdamW(model.parameters())
     for init_scale, skipped in ((float("inf"), True), (1.0, False)):  # every gradient x inf overflows
@@ -315,7 +316,8 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
     for loss_scale in (None, 2.0 ** 12):
         for clip in (0.0, 0.01):
             torch.manual_seed(0)
-            model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 32, 0.0, tokenizer.pad_token_id))
+            model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
+                                               "nsp", 0.0))
             before = [p.detach().clone() for p in model.parameters()]
             scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0, enabled=loss_scale is not None)
             _, raw_norm, _ = P.train_step(model, torch.optim.SGD(model.parameters()), scaler, [batch], masked, 4, 1,
@@ -514,7 +516,7 @@ def test_no_host_read_in_a_forward_and_backward():
     forward + backward then reads nothing back from the device (a 2-D mask costs one read), and
     the results are those of the 2-D mask."""
     torch.manual_seed(0)
-    model = P.Pretraining(P.build_model("tiny", "nsp", 300, 32, 0.0, 0))
+    model = P.Pretraining(P.model_from(P.new_architecture("tiny", 300, 32, 0), "nsp", 0.0))
     ids = torch.randint(5, 300, (4, 16))
     reads, originals = [0], {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist")}
 
@@ -566,7 +568,8 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     import data_stream
     torch._dynamo.reset()
     counter = CompileCounter()  # a backend that counts the graphs dynamo hands it, and runs them eagerly
-    model = P.Pretraining(P.build_model("tiny", "nsp", len(tokenizer), 64, 0.0, tokenizer.pad_token_id))
+    model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 64, tokenizer.pad_token_id),
+                                       "nsp", 0.0))
     compiled = torch.compile(model, backend=counter)
     kinds = []
     raws = []
