@@ -1562,7 +1562,7 @@ def exit_now(code):
     """End the process without the interpreter's teardown, once the work is done and said: it
     destroys C++ objects in an order nobody controls, and a joinable std::thread destroyed there
     aborts the rank ('terminate called without an active exception', SIGABRT) after a finished
-    job: seen in 1 of 10 short 2-rank jobs under heavy load (BENCHMARKS.md section 14). torchrun
+    job: 1 of 9 short 2-rank jobs under heavy load; 0 of 50 with this exit (BENCHMARKS.md section 14). torchrun
     then reports the job as failed, and with --max-restarts it restarts a finished job. What
     teardown would still do is done before: the summary, the export and the trackers are written,
     the loaders' workers end with their trainer (quiet_worker), the process group is destroyed."""
