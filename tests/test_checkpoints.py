@@ -63,7 +63,7 @@ def kill_all(proc, cmd):
             os.kill(pid, signal.SIGKILL)
 
 
-def run_until(cmd, on_line=None, timeout=240):
+def run_until(cmd, on_line=None, timeout=480):
     """Run cmd, calling on_line(line, proc) for each stdout line (True: stop reading); a run past
     timeout is killed and fails the test, and so does any process of it (a DataLoader worker, a
     forkserver) still alive 30 s after its ranks ended. Returns (exit code, stdout, stderr)."""

@@ -258,7 +258,7 @@ def test_ten_megabyte_line_in_bounded_pieces(tmp_path):
 
 def run_cli(*args):
     return subprocess.run([sys.executable, os.path.join(ROOT, "data_stream.py"), *args],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.slow  # subprocesses, or seconds of work

@@ -109,7 +109,7 @@ def run_cli(*args):
 
 
 def finish(proc):
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     return proc.returncode, out, err
 
 

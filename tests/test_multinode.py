@@ -204,7 +204,7 @@ def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, 
         (patch / "sitecustomize.py").write_text(OTHER_TOKENIZER_LIBRARY)
         variables[1] = {"PYTHONPATH": os.pathsep.join([str(patch), ROOT])}
         expected = r"the tokenizer is not rank 0's: \w{16} here, \w{16} on rank 0 \(\S+\)$"
-    results = run_nodes(nodes, static(free_port()), args, timeout=120, extra=extra, variables=variables)
+    results = run_nodes(nodes, static(free_port()), args, timeout=300, extra=extra, variables=variables)
     assert all(rc != 0 for rc, _, _ in results)
     errors = [line for _, _, err in results for line in err.splitlines() if "pretrain_ddp.py: error" in line]
     assert len(errors) == 1, errors  # said once, by the rank that differs, on its own node
@@ -264,7 +264,7 @@ def test_restarts_used_up_end_every_agent_with_one_line(tmp_path, corpus, tok_di
             kill([nodes[1 - k]], workers_only=True)
 
     results = run_nodes(nodes, elastic(free_port(), max_restarts=0), [*ARGS, "--tokenizer", tok_dir],
-                        kill_the_other_worker, timeout=240)  # a hang guard, far above a run under load
+                        kill_the_other_worker, timeout=480)  # a hang guard, far above a run under load
     assert killed and all(rc != 0 for rc, _, _ in results)  # both agents ended by themselves
     errors = [line for _, _, err in results for line in err.splitlines() if "pretrain_ddp.py: error" in line]
     assert len(errors) == 1 and re.match(r"pretrain_ddp.py: error: rank 0 on \S+: lost the other ranks \(.*"

@@ -208,7 +208,7 @@ def test_two_processes_fill_one_cache(corpus, tokenizer, tmp_path, monkeypatch):
         time.sleep(0.01)
     open(go, "w").close()  # both start at once
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=300)
         assert p.returncode == 0 and "Traceback" not in err, err
         assert "token cache:" not in err, err  # no piece was found damaged, no write failed
     stream = make_stream(corpus, tokenizer, token_cache=cache)

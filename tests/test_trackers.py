@@ -198,7 +198,7 @@ def test_wandb_not_installed_one_line(tmp_path, corpus, tok_dir):
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
     result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"),
-                  "--log-to", "stdout,wandb"], tmp_path, timeout=120, PYTHONPATH=str(hidden.parent))
+                  "--log-to", "stdout,wandb"], tmp_path, timeout=300, PYTHONPATH=str(hidden.parent))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "pretrain_ddp.py: error: --log-to wandb needs the wandb package: pip install wandb "

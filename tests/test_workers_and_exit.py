@@ -42,7 +42,7 @@ def test_a_hung_worker_ends_the_run_in_one_line(tmp_path, corpus, tokenizer):
                              "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"), "--max-seq-len", "32",
                              "--batch-size", "4", "--max-steps", "2", "--eval-corpus", "none", "--log-to", "stdout",
                              "--num-workers", "1", "--dist-timeout", "0.25"],
-                            capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+                            capture_output=True, text=True, timeout=480, env=env, cwd=ROOT)
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert len(errors) == 1 and "no batch from this rank's DataLoader workers within --dist-timeout" in errors[0], \
