@@ -414,6 +414,14 @@ def main():
     print("\n".join(rows))
     if verdicts:
         print(f"\nverdict: ours within noise of the Trainer at {sum(verdicts)}/{len(verdicts)} points")
+        # issue 29's bar: the mean gap at most +0.01 nats at every checkpoint, and ours lower at the end
+        gaps = {step: sum(scores["ours", s][step]["loss"] - scores["trainer", s][step]["loss"] for s in seeds)
+                / len(seeds) for step in eval_steps(args)}
+        end = eval_steps(args)[-1]
+        lower = sum(scores["ours", s][end]["loss"] < scores["trainer", s][end]["loss"] for s in seeds)
+        print("mean (ours - Trainer) eval loss: " + ", ".join(f"step {k} {v:+.3f}" for k, v in gaps.items()) +
+              f" ({'all' if max(gaps.values()) <= 0.01 else 'NOT all'} <= +0.01); ours lower at step {end} for "
+              f"{lower} of {len(seeds)} seeds")
 
 
 if __name__ == "__main__":
