@@ -349,7 +349,8 @@ def main(argv=None):
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_data_args(parser)
     run = parser.add_argument_group("the run (as pretrain_ddp.py takes it)")
-    run.add_argument("--batch-size", type=number(int, 1), default=32, help="samples per micro-batch, per rank")
+    run.add_argument("--batch-size", type=number(int, 1), default=16,
+                     help="samples per micro-batch, per rank (pretrain_ddp.py's default)")
     run.add_argument("--accum-steps", type=number(int, 1), default=1, help="micro-batches per optimizer step")
     run.add_argument("--world-size", type=number(int, 1), default=1, help="DDP ranks")
     run.add_argument("--num-workers", type=number(int, 0), default=1,

@@ -186,8 +186,8 @@ def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, 
     nodes = make_nodes(tmp_path, corpus)
     args, extra, variables = list(ARGS), [[], []], [{}, {}]
     if case == "flags":
-        extra[1] = ["--lr", "2e-3"]
-        expected = r"the command line is not rank 0's: \{'lr': 0.002\} here, \{'lr': 0.001\} on rank 0 \(\S+\)"
+        extra[1] = ["--lr", "3e-3"]  # rank 0 has the default, 2e-3
+        expected = r"the command line is not rank 0's: \{'lr': 0.003\} here, \{'lr': 0.002\} on rank 0 \(\S+\)"
     elif case == "corpus differs":
         write_corpus(os.path.join(nodes[1], "corpus.txt"), 120, seed=1)
         expected = r"the corpus of --corpus corpus.txt is not rank 0's: \{'bytes': \d+, 'index': '\w+'\} here"
