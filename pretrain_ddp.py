@@ -521,13 +521,27 @@ def peak_flops(device, amp_dtype):
         if peak is None and GROUP["rank"] == 0:
             warn(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to GPU_PEAKS)")
         return peak
+    # Timed once per machine and thread count, then kept in the cache: the matmuls take ~2.4 s on
+    # a core, on every rank of every launch otherwise. (Delete cpu_peak.json there to time again.)
+    path, key = os.path.join(data_stream.CACHE_DIR, "cpu_peak.json"), f"{HOST} {torch.get_num_threads()} threads"
+    try:
+        with open(path) as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    if key in known:
+        return known[key]
     a = torch.randn(2048, 2048, generator=torch.Generator())  # leaves the global RNG (dropout) alone
     best = float("inf")
     for _ in range(6):  # the best of a few: other processes on the machine only slow it down
         t0 = time.perf_counter()
         torch.mm(a, a)
         best = min(best, time.perf_counter() - t0)
-    return 2 * 2048**3 / best
+    known[key] = 2 * 2048**3 / best
+    with contextlib.suppress(OSError):  # a read-only cache: time it again next launch
+        os.makedirs(data_stream.CACHE_DIR, exist_ok=True)
+        data_stream.atomic_write(path, lambda f: json.dump(known, f), mode="w")
+    return known[key]
 
 
 # ----------------------------------------------------------------------------- agreement between ranks

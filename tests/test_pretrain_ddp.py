@@ -492,6 +492,24 @@ def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
     assert P.gpu_peak("NVIDIA T400 4GB", fp16, False) is None
 
 
+def test_cpu_peak_is_timed_once_per_machine_and_thread_count(tmp_path, monkeypatch):
+    """The CPU's peak (for MFU) is timed at the first launch and read from the cache after it."""
+    monkeypatch.setattr(P.data_stream, "CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    first = P.peak_flops(cpu, None)
+    with open(tmp_path / "cpu_peak.json") as f:
+        assert json.load(f) == {f"{P.HOST} {torch.get_num_threads()} threads": first} and first > 1e9
+    monkeypatch.setattr(torch, "mm", None)  # a second timing would fail
+    assert P.peak_flops(cpu, None) == first
+    threads = torch.get_num_threads()
+    try:  # another thread count is another peak: timed again
+        torch.set_num_threads(threads + 1)
+        with pytest.raises(TypeError):
+            P.peak_flops(cpu, None)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.slow
 def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir, lr_run):
     """fp32 checkpoint resumed with fp16 + GradScaler (a disabled scaler saved {}: loading it into an
