@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -70,6 +71,12 @@ def parse_args():
     p.add_argument("--order-table", action="store_true",
                    help="only print the data order's distinct documents per batch by quarter of the epoch")
     p.add_argument("--reuse", action="store_true", help="skip runs whose saved models are all there (re-score only)")
+    p.add_argument("--trainer-data", default="blocks", choices=["blocks", "ours"],
+                   help="the Trainer's training data: run_mlm's shuffled blocks, or our stream's windows in our order "
+                        "(unmasked: its collator masks them), to tell our data from our loop")
+    p.add_argument("--ours-flags", default="",
+                   help="more pretrain_ddp.py flags for our side, to change one thing (e.g. '--shuffle-docs 4096'); "
+                        "give it its own --out-dir with the tokenizer-run and trainer-seed* of the base comparison")
     p.add_argument("--worker", choices=["trainer"], help=argparse.SUPPRESS)  # internal: one Trainer run
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
@@ -160,7 +167,7 @@ def run_ours(args, seed, tok_dir, run_dir, env):
            "--max-steps", str(args.steps), "--epochs", str(epochs_needed(args, tok_dir)),
            "--save-every", str(args.eval_every), "--keep-last", "1000", "--eval-every", str(args.steps),
            "--log-every", str(args.eval_every), "--log-to", "stdout", "--out-dir", run_dir, "--resume", "none",
-           "--overwrite"]
+           "--overwrite", *shlex.split(args.ours_flags)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         sys.exit(f"pretrain_ddp.py failed:\n{out.stderr[-3000:]}")
@@ -184,6 +191,8 @@ def trainer_worker(args):
     n = args.max_seq_len
     blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
               for i in range(0, len(ids) // n * n, n)]
+    if args.trainer_data == "ours":
+        blocks = our_windows(tok, args)
     torch.manual_seed(args.seed)  # as pretrain_ddp.py: the seed, then the model (same initial weights)
     architecture = pretrain_ddp.new_architecture(args.model_size, len(tok), args.max_seq_len, tok.pad_token_id)
     model = pretrain_ddp.model_from(architecture, "mlm", args.dropout)
@@ -210,7 +219,12 @@ def trainer_worker(args):
         max_steps=args.steps, learning_rate=args.lr, weight_decay=args.weight_decay, adam_beta1=0.9,
         adam_beta2=0.98, adam_epsilon=1e-6, max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0,
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed)
-    trainer = Trainer(model=model, args=targs, train_dataset=blocks, optimizers=(optimizer, scheduler),
+    class InOrder(Trainer):  # our windows come in our order: no sampler of its own
+        def _get_train_sampler(self, train_dataset=None):
+            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
+
+    trainer = (InOrder if args.trainer_data == "ours" else Trainer)(
+        model=model, args=targs, train_dataset=blocks, optimizers=(optimizer, scheduler),
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15),
                       callbacks=[Save()])
     t0 = time.perf_counter()
@@ -219,11 +233,28 @@ def trainer_worker(args):
                       "final_lr": scheduler.get_last_lr()[0]}))
 
 
+def our_windows(tok, args):
+    """pretrain_ddp.py's mlm windows of this seed, epoch after epoch in its order (one shard: 1 rank x 1 worker,
+    as run_ours), unmasked (mask_prob 0), as Trainer records."""
+    import data_stream
+    stream = data_stream.BertPretrainStream(corpus_flag(args, "train"), tok, objective="mlm",
+                                            batch_size=args.batch_size, max_seq_len=args.max_seq_len, mask_prob=0.0,
+                                            seed=args.seed)
+    rows = []
+    for epoch in range(epochs_needed(args, args.tokenizer)):
+        stream.set_epoch(epoch)
+        for batch in stream:
+            for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True):
+                row = ids[mask.bool()].tolist()
+                rows.append({"input_ids": row, "token_type_ids": [0] * len(row), "attention_mask": [1] * len(row)})
+    return rows
+
+
 def run_trainer(args, seed, tok_dir, run_dir, env):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trainer", "--seed", str(seed), "--tokenizer",
            tok_dir, "--run-dir", run_dir]
     for flag in ("corpus", "out_dir", "model_size", "lr", "batch_size", "max_seq_len", "steps", "eval_every", "warmup",
-                 "weight_decay", "dropout"):
+                 "weight_decay", "dropout", "trainer_data"):
         cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
