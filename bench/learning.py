@@ -71,9 +71,10 @@ def parse_args():
     p.add_argument("--order-table", action="store_true",
                    help="only print the data order's distinct documents per batch by quarter of the epoch")
     p.add_argument("--reuse", action="store_true", help="skip runs whose saved models are all there (re-score only)")
-    p.add_argument("--trainer-data", default="blocks", choices=["blocks", "ours"],
-                   help="the Trainer's training data: run_mlm's shuffled blocks, or our stream's windows in our order "
-                        "(unmasked: its collator masks them), to tell our data from our loop")
+    p.add_argument("--trainer-data", default="blocks", choices=["blocks", "ours", "ours-shuffled"],
+                   help="the Trainer's training data: run_mlm's shuffled blocks, or our stream's windows (unmasked: "
+                        "its collator masks them) in our order or shuffled within each epoch: our data vs our loop, "
+                        "and our windows vs our order")
     p.add_argument("--ours-flags", default="",
                    help="more pretrain_ddp.py flags for our side, to change one thing (e.g. '--shuffle-docs 4096'); "
                         "give it its own --out-dir with the tokenizer-run and trainer-seed* of the base comparison")
@@ -191,8 +192,8 @@ def trainer_worker(args):
     n = args.max_seq_len
     blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
               for i in range(0, len(ids) // n * n, n)]
-    if args.trainer_data == "ours":
-        blocks = our_windows(tok, args)
+    if args.trainer_data != "blocks":
+        blocks = our_windows(tok, args, shuffled=args.trainer_data == "ours-shuffled")
     torch.manual_seed(args.seed)  # as pretrain_ddp.py: the seed, then the model (same initial weights)
     architecture = pretrain_ddp.new_architecture(args.model_size, len(tok), args.max_seq_len, tok.pad_token_id)
     model = pretrain_ddp.model_from(architecture, "mlm", args.dropout)
@@ -223,7 +224,7 @@ def trainer_worker(args):
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
-    trainer = (InOrder if args.trainer_data == "ours" else Trainer)(
+    trainer = (Trainer if args.trainer_data == "blocks" else InOrder)(
         model=model, args=targs, train_dataset=blocks, optimizers=(optimizer, scheduler),
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15),
                       callbacks=[Save()])
@@ -233,20 +234,23 @@ def trainer_worker(args):
                       "final_lr": scheduler.get_last_lr()[0]}))
 
 
-def our_windows(tok, args):
+def our_windows(tok, args, shuffled):
     """pretrain_ddp.py's mlm windows of this seed, epoch after epoch in its order (one shard: 1 rank x 1 worker,
-    as run_ours), unmasked (mask_prob 0), as Trainer records."""
+    as run_ours) or shuffled within each epoch, unmasked (mask_prob 0), as Trainer records."""
     import data_stream
     stream = data_stream.BertPretrainStream(corpus_flag(args, "train"), tok, objective="mlm",
                                             batch_size=args.batch_size, max_seq_len=args.max_seq_len, mask_prob=0.0,
                                             seed=args.seed)
-    rows = []
+    rows, rng = [], np.random.default_rng(args.seed)
     for epoch in range(epochs_needed(args, args.tokenizer)):
         stream.set_epoch(epoch)
+        epoch_rows = []
         for batch in stream:
             for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True):
                 row = ids[mask.bool()].tolist()
-                rows.append({"input_ids": row, "token_type_ids": [0] * len(row), "attention_mask": [1] * len(row)})
+                epoch_rows.append({"input_ids": row, "token_type_ids": [0] * len(row),
+                                   "attention_mask": [1] * len(row)})
+        rows += [epoch_rows[i] for i in rng.permutation(len(epoch_rows))] if shuffled else epoch_rows
     return rows
 
 
