@@ -188,11 +188,12 @@ def trainer_worker(args):
     import pretrain_ddp
     tok = data_stream.get_tokenizer(args.tokenizer)
     # run_mlm.py, line_by_line=False, one record per document: tokenize (with [CLS]/[SEP]), concatenate, cut
-    ids = [t for doc in split_documents(tok, args, "train") for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
-    n = args.max_seq_len
-    blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
-              for i in range(0, len(ids) // n * n, n)]
-    if args.trainer_data != "blocks":
+    if args.trainer_data == "blocks":
+        ids = [t for doc in split_documents(tok, args, "train") for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
+        n = args.max_seq_len
+        blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
+                  for i in range(0, len(ids) // n * n, n)]
+    else:  # our default flags' windows (not --ours-flags)
         blocks = our_windows(tok, args, shuffled=args.trainer_data == "ours-shuffled")
     torch.manual_seed(args.seed)  # as pretrain_ddp.py: the seed, then the model (same initial weights)
     architecture = pretrain_ddp.new_architecture(args.model_size, len(tok), args.max_seq_len, tok.pad_token_id)
