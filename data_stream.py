@@ -958,7 +958,7 @@ def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, par
     the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
     first and ends every shard on its few longest ones). The weights are a pure function of the
     cursor (and the corpus): a resume draws the same documents. A document is read when it
-    enters the pool, to be weighed (memory stays --shuffle-docs documents, as before; the first
+    enters the pool, to be weighed (memory stays --shuffle-docs documents; the first
     batch of a shard waits for them: 0.15-0.2 s on builtin, up to --shuffle-docs x
     --max-doc-bytes of text to tokenize without the token cache). A size from the index would
     differ by format (a text file counts each document's last newline): the same records as text

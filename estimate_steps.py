@@ -95,7 +95,7 @@ def count_documents(stream, doc_ids, epochs, progress):
 
 def shard_samples_of(units, objective, max_seq_len):
     """Units per shard -> samples per shard. mlm windows of max_seq_len - 2 tokens span chunks
-    (see _samples), so only the shard's last window is partial."""
+    (data_stream.packed_windows), so only the shard's last window is partial."""
     return units if objective == "nsp" else -(-units // (max_seq_len - 2))
 
 

@@ -350,7 +350,7 @@ def main(argv=None):
     # One eval loader for the whole run: its workers start once, not at every eval
     eval_loader = make_loader(eval_stream, args.num_workers, device, timeout_s, persistent=True) \
         if eval_stream is not None else None
-    meter = new_meter(device, amp_dtype, progress, args.lr * lr_factor(plan, run["plan_pos"]))
+    meter = new_meter(device, amp_dtype, progress)
     eval_metrics, train_loss, grad_norm, stopped, last_eval_step = {}, float("nan"), None, False, None
     while progress["epoch"] < args.epochs and progress["step"] < step_limit and not stopped:
         start_epoch(stream, progress["epoch"], resume_data, args.num_workers)
@@ -723,7 +723,8 @@ def leave_group():
 
 def plan_run(args, world_size, device, amp_dtype, rank0_only):
     """Rank 0 decides the run: out dir, checkpoint, tokenizer, corpus, LR plan. Returns what every
-    rank needs (sent over the process group); rank 0's tokenizer, stream and checkpoint go to rank0_only."""
+    rank needs (sent over the process group); rank 0's tokenizer, stream, checkpoint and --init-from
+    weights go to rank0_only."""
     out_dir = args.out_dir or default_out_dir()
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         fail(f"--out-dir {out_dir} is a file; give a directory")
@@ -776,7 +777,6 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
         run.update(plan=plan, plan_pos=0.0, estimate=estimate)
     else:
         meta = resumed["meta"]
-        before = meta["config"]
         changed = [f"{k} (checkpoint {before.get(k)!r}, now {config[k]!r})" for k in RESUME_MUST_MATCH
                    if before.get(k) != config[k]]
         if changed:
@@ -1231,8 +1231,9 @@ def export_hf(hf_model, tokenizer, out_dir):
 
 
 def replace_folder(final, write):
-    """write(folder) into a temporary folder beside final, then renamed over it: a reader sees the
-    old folder or the whole new one. (A checkpoint's save has its own steps: save_checkpoint.)"""
+    """write(folder) into a temporary folder beside final, then put in its place: a reader never sees
+    a half-written folder (for an instant between the two there is none; a checkpoint's save has its
+    own steps for that: save_checkpoint)."""
     tmp = os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
@@ -1245,19 +1246,19 @@ def replace_folder(final, write):
 STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out (workers, first batches, compile)
 
 
-def new_meter(device, amp_dtype, progress, lr):
+def new_meter(device, amp_dtype, progress):
     """What the logs and the report measure: the interval since the last log, and for the steady
     rates the training clock (without eval, checkpoints and exports: "paused") at marks after 1
     and STEADY_AFTER steps. Rates count this run only, from its start (step, tokens, flops)."""
-    return {"interval": new_interval(lr), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
+    return {"interval": new_interval(), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
             "start": (progress["step"], progress["tokens_seen"], progress["flops_done"]), "marks": {},
             "paused": 0.0, "data_wait": 0.0,
             "overflow_skips": torch.zeros((), dtype=torch.int64, device=device)}  # fp16: read at the end
 
 
-def new_interval(lr):
+def new_interval():
     return {"sums": None, "masked": 0, "samples": 0, "tokens": 0, "flops": 0.0, "wait": 0.0,
-            "t0": time.perf_counter(), "lr": lr}
+            "t0": time.perf_counter(), "lr": None}  # count_step sets it
 
 
 def count_step(meter, progress, sums, skipped, lr, totals):
@@ -1303,7 +1304,7 @@ def log_interval(log, meter, progress, grad_norm, scaler, objective):
     if speed["mfu"] is not None:
         scalars["train/mfu"] = speed["mfu"]
     log(scalars, progress["step"])
-    meter["interval"] = new_interval(interval["lr"])
+    meter["interval"] = new_interval()
     return mlm_loss + nsp_loss
 
 
@@ -1568,8 +1569,7 @@ def next_window(batches, args, device, hf_config, meter):
 def end_epoch(progress, window, batches):
     """Collective: the epoch ended for all ranks at the same step; count what each rank had to leave."""
     left = sum(rows for _, rows in window) + sum(b["num_rows"] for b in batches)
-    unused = all_reduce_ctrl([left if r == GROUP["rank"] else 0 for r in range(GROUP["world_size"])])
-    progress["unused_per_epoch"].append([int(u) for u in unused])
+    progress["unused_per_epoch"].append([unused for _, unused in gather(left)])
     if GROUP["rank"] == 0:
         say(f"epoch {progress['epoch']} ended at step {progress['step']}; samples left unused per rank: "
             f"{progress['unused_per_epoch'][-1]}")
