@@ -37,7 +37,6 @@ from data_stream import (
     CorpusError,
     Parser,
     add_data_args,
-    batches_per_rank,
     check_versions,
     number,
     shard_documents,
@@ -97,6 +96,11 @@ def shard_samples_of(units, objective, max_seq_len):
     """Units per shard -> samples per shard. mlm windows of max_seq_len - 2 tokens span chunks
     (data_stream.packed_windows), so only the shard's last window is partial."""
     return units if objective == "nsp" else -(-units // (max_seq_len - 2))
+
+
+def batches_per_rank(samples_per_worker, batch_size):
+    """Micro-batches one rank yields: each DataLoader worker ends with a partial batch."""
+    return sum(-(-n // batch_size) for n in samples_per_worker)
 
 
 def samples_in_first_batches(worker_samples, batch_size, k):

@@ -71,12 +71,14 @@ def parse_args():
     p.add_argument("--order-table", action="store_true",
                    help="only print the data order's distinct documents per batch by quarter of the epoch")
     p.add_argument("--reuse", action="store_true", help="skip runs whose saved models are all there (re-score only)")
-    p.add_argument("--trainer-data", default="blocks", choices=["blocks", "ours", "ours-shuffled"],
-                   help="the Trainer's training data: run_mlm's shuffled blocks, or our stream's windows (unmasked: "
-                        "its collator masks them) in our order or shuffled within each epoch: our data vs our loop, "
-                        "and our windows vs our order")
+    p.add_argument("--trainer-data", default="blocks",
+                   choices=["blocks", "blocks-random-docs", "ours", "ours-shuffled"],
+                   help="the Trainer's training data: run_mlm's shuffled blocks (of the documents in corpus order, or "
+                        "in a random order, fixed: neighbours in a block then are unrelated, as in our windows), or "
+                        "our stream's windows (unmasked: its collator masks them) in our order or shuffled within "
+                        "each epoch: our data vs our loop, and our windows vs our order")
     p.add_argument("--ours-flags", default="",
-                   help="more pretrain_ddp.py flags for our side, to change one thing (e.g. '--shuffle-docs 4096'); "
+                   help="more pretrain_ddp.py flags for our side, to change one thing (e.g. '--shuffle-block 64'); "
                         "give it its own --out-dir with the tokenizer-run and trainer-seed* of the base comparison")
     p.add_argument("--worker", choices=["trainer"], help=argparse.SUPPRESS)  # internal: one Trainer run
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
@@ -188,8 +190,11 @@ def trainer_worker(args):
     import pretrain_ddp
     tok = data_stream.get_tokenizer(args.tokenizer)
     # run_mlm.py, line_by_line=False, one record per document: tokenize (with [CLS]/[SEP]), concatenate, cut
-    if args.trainer_data == "blocks":
-        ids = [t for doc in split_documents(tok, args, "train") for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
+    if args.trainer_data.startswith("blocks"):
+        docs = split_documents(tok, args, "train")
+        if args.trainer_data == "blocks-random-docs":
+            docs = [docs[i] for i in np.random.default_rng(args.seed).permutation(len(docs))]
+        ids = [t for doc in docs for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
         n = args.max_seq_len
         blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
                   for i in range(0, len(ids) // n * n, n)]
@@ -225,7 +230,7 @@ def trainer_worker(args):
         def _get_train_sampler(self, train_dataset=None):
             return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
 
-    trainer = (Trainer if args.trainer_data == "blocks" else InOrder)(
+    trainer = (Trainer if args.trainer_data.startswith("blocks") else InOrder)(
         model=model, args=targs, train_dataset=blocks, optimizers=(optimizer, scheduler),
                       data_collator=DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15),
                       callbacks=[Save()])

@@ -3,7 +3,8 @@
 1. NSP pairs follow google-research/bert create_pretraining_data.py (transcribed below), lengths
    included: compared statistically on the same documents; and the stream's samples are the pairs
    that comparison was made on.
-2. A stream's batches mix many documents (--shuffle-docs), and reading one document at a time does not.
+2. A stream's batches mix many documents (--shuffle-docs, --shuffle-block), and reading one document at a time
+   does not.
 3. Whole-word masking masks every piece of a chosen word, and only whole words.
 """
 import random
@@ -208,12 +209,13 @@ def is_run_of(part, whole):
 
 def test_stream_nsp_samples_are_the_planned_pairs(corpus, tokenizer):
     """The stream builds its samples as our_pairs does (the pipeline compared with Google above):
-    per document and in order, the same plans (the ones estimate_steps.py counts), the same A and
-    B before truncation (a random B filled to target_len - len(A)), the same lengths after it.
-    Where truncation cuts (front or back) is the RNG's business: only checked to be a cut."""
+    per document and in order (unshuffled: a shuffled block gives them in any order), the same plans (the
+    ones estimate_steps.py counts), the same A and B before truncation (a random B filled to
+    target_len - len(A)), the same lengths after it. Where truncation cuts (front or back) is the
+    RNG's business: only checked to be a cut."""
     seed, max_seq_len, short_seq_prob = 5, 64, 0.3
     stream = ds.BertPretrainStream(corpus, tokenizer, rank=0, world_size=1, batch_size=16, max_seq_len=max_seq_len,
-                                   mask_prob=0.0, short_seq_prob=short_seq_prob, seed=seed)
+                                   mask_prob=0.0, short_seq_prob=short_seq_prob, seed=seed, shuffle=False)
     docs = [stream.document(d) for d in range(stream.num_docs)]
     assert all((np.diff(bounds) > 0).all() for _, bounds in docs)  # no empty sentence: plans see every one
     expected = our_pairs(docs, max_seq_len - 3, short_seq_prob, seed)
@@ -248,7 +250,8 @@ def mixing(stream):
 @pytest.mark.slow  # subprocesses, or seconds of work
 def test_shuffle_docs_mixes_documents_in_a_batch(tmp_path, tokenizer):
     """3000 documents of 10..40 sentences: ~5 nsp samples each at max_seq_len 128. A batch of 32
-    drawn from 256 open documents holds ~30 of them; read one document at a time, ~32 / 5 + 1."""
+    drawn from 256 open documents holds ~30 of them; read one document at a time and unshuffled
+    (--shuffle-docs 1 --shuffle-block 1), ~32 / 5 + 1."""
     path = write_corpus(tmp_path / "mix.txt", 3000, seed=1, min_sents=10, max_sents=40)
     # One Corpus for both objectives: a text file reads the same for either, and so the token
     # cache built here serves both (a path would be keyed per objective and tokenized twice).
@@ -258,7 +261,7 @@ def test_shuffle_docs_mixes_documents_in_a_batch(tmp_path, tokenizer):
     for objective in ("nsp", "mlm"):
         mixed, per_doc = mixing(ds.BertPretrainStream(corpus, tokenizer, objective=objective, **kw))
         in_order, per_doc_1 = mixing(ds.BertPretrainStream(corpus, tokenizer, objective=objective, shuffle_docs=1,
-                                                           **kw))
+                                                           shuffle_block=1, **kw))
         assert per_doc == per_doc_1  # the same samples, only their order differs
         if objective == "nsp":
             assert 4.5 < per_doc < 5.5, per_doc
