@@ -898,11 +898,13 @@ def pool_start(num_open, shard_size):
     return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k}
 
 
-def fresh_position(num_open, shard_size):
+def fresh_position(num_open, shard_size, block_size):
     """A shard's cursor before its first sample: 'pool' is the pool's cursor where the block being
-    read began, 'block' its number, 'used' its samples consumed; 'leftover_used': samples consumed
-    of the shard's share of a resize's leftover (read first)."""
-    return {"pool": pool_start(num_open, shard_size), "block": 0, "used": 0, "leftover_used": 0}
+    read began, 'block' its number, 'used' its samples consumed, 'block_size' the --shuffle-block
+    the epoch began with (a resume with another one goes on with it); 'leftover_used': samples
+    consumed of the shard's share of a resize's leftover (read first)."""
+    return {"pool": pool_start(num_open, shard_size), "block": 0, "used": 0, "block_size": block_size,
+            "leftover_used": 0}
 
 
 def empty_state(epoch):
@@ -1211,12 +1213,12 @@ class BertPretrainStream(IterableDataset):
         parts = [(opened[d][0][a:b], opened[d][1][:, a:b], d) for d, a, b in spec]
         return packed_window(parts, self.cls_id, self.sep_id)
 
-    def _block(self, shard, num_shards, shard_docs, pool, partial):
+    def _block(self, shard, num_shards, shard_docs, pool, partial, block_size):
         """(the pool's samples with their specs from its cursor `pool` on (updated in place), the first
-        --shuffle-block of them): a block and the generator that goes on after it."""
+        block_size of them): a block and the generator that goes on after it."""
         samples = self._pool_samples(shard_docs, pool, shard_draws(self.seed, self.epoch, shard, num_shards),
                                      partial)
-        return samples, list(itertools.islice(samples, self.block_size))
+        return samples, list(itertools.islice(samples, block_size))
 
     def _samples(self, shard, num_shards, shard_docs, position):
         """The samples of a shard from `position` (its cursor, updated in place) on: first its share of
@@ -1235,12 +1237,15 @@ class BertPretrainStream(IterableDataset):
         used (0.2 s on builtin, warm cache)."""
         resume = self.resume or {}
         share, opened = resume.get("leftover", [])[shard::num_shards], {}
+        last_use = {doc_id: i for i, spec in enumerate(share) for doc_id, _, _ in spec}
         for i in range(position["leftover_used"], len(share)):
             position["leftover_used"] = i + 1
             yield self._from_spec(share[i], opened)
-        opened.clear()
-        pool, block = copy.deepcopy(position["pool"]), position["block"]
-        samples, chunk = self._block(shard, num_shards, shard_docs, pool, resume.get("partial", {}))
+            for doc_id, _, _ in share[i]:  # memory: only the documents still to be used
+                if last_use[doc_id] == i:
+                    opened.pop(doc_id, None)
+        pool, block, block_size = copy.deepcopy(position["pool"]), position["block"], position["block_size"]
+        samples, chunk = self._block(shard, num_shards, shard_docs, pool, resume.get("partial", {}), block_size)
         while chunk:
             after = copy.deepcopy(pool)  # where the next block begins
             order = block_order(len(chunk), self.seed, self.epoch, shard, num_shards, block, self.shuffle)
@@ -1250,7 +1255,7 @@ class BertPretrainStream(IterableDataset):
                 position.update({"pool": after, "block": block + 1, "used": 0} if j + 1 == len(chunk)
                                 else {"used": j + 1})
                 yield chunk[order[j]][0]
-            following += itertools.islice(samples, self.block_size - len(following))
+            following += itertools.islice(samples, block_size - len(following))
             position.update({"pool": after, "block": block + 1, "used": 0})
             chunk, block = following, block + 1
 
@@ -1258,18 +1263,21 @@ class BertPretrainStream(IterableDataset):
         """A state written for state["num_shards"] shards (merged over every rank), for num_shards:
         what each old shard had not read of its share of 'leftover' and of the block it was reading
         becomes the new 'leftover' (as specs: the samples themselves, shared round-robin by the new
-        shards, which read them first); the rest of the documents is resharded (reshard_pools)."""
+        shards, which read them first); the rest of the documents is resharded (reshard_pools).
+        Costs of a resize mid-epoch: every rank rebuilds each old shard's block here (up to
+        --shuffle-block samples each), and the specs (up to old shards x --shuffle-block of them)
+        ride in every checkpoint until the epoch ends."""
         old_shards = state["num_shards"]
         docs = shard_documents(self.corpus.doc_bytes(), self.seed, state["epoch"], old_shards, self.shuffle,
                                np.array(state["exclude"], np.int64) if state["exclude"] else None)
         self.epoch, self.resume = state["epoch"], state
         leftover, pools = [], {}
         for s in range(old_shards):
-            pos = state["positions"].get(str(s)) or fresh_position(self.num_open, len(docs[s]))
+            pos = state["positions"].get(str(s)) or fresh_position(self.num_open, len(docs[s]), self.block_size)
             leftover += state["leftover"][s::old_shards][pos["leftover_used"]:]
             pools[s] = copy.deepcopy(pos["pool"])
             if pos["used"]:  # the block it was reading: the rest of it is leftover
-                _, chunk = self._block(s, old_shards, docs[s], pools[s], state["partial"])
+                _, chunk = self._block(s, old_shards, docs[s], pools[s], state["partial"], pos["block_size"])
                 order = block_order(len(chunk), self.seed, self.epoch, s, old_shards, pos["block"], self.shuffle)
                 leftover += [chunk[i][1] for i in order[pos["used"]:]]
         new = reshard_pools(state, pools, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle)
@@ -1293,7 +1301,8 @@ class BertPretrainStream(IterableDataset):
         shard = worker_shard(self.rank, num_workers, worker_id, resume["last_shard"])
         shard_docs = shard_documents(self.corpus.doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle,
                                      exclude)[shard]
-        position = dict(resume["positions"].get(str(shard)) or fresh_position(self.num_open, len(shard_docs)))
+        position = dict(resume["positions"].get(str(shard))
+                        or fresh_position(self.num_open, len(shard_docs), self.block_size))
         if self.cache is not None:
             self.cache.refresh(self.num_docs)
         batch = []

@@ -209,13 +209,13 @@ def is_run_of(part, whole):
 
 def test_stream_nsp_samples_are_the_planned_pairs(corpus, tokenizer):
     """The stream builds its samples as our_pairs does (the pipeline compared with Google above):
-    per document and in order (unshuffled: a shuffled block gives them in any order), the same plans (the
+    per document and in order (--shuffle-block 1: a shuffled block gives them in any order), the same plans (the
     ones estimate_steps.py counts), the same A and B before truncation (a random B filled to
     target_len - len(A)), the same lengths after it. Where truncation cuts (front or back) is the
     RNG's business: only checked to be a cut."""
     seed, max_seq_len, short_seq_prob = 5, 64, 0.3
     stream = ds.BertPretrainStream(corpus, tokenizer, rank=0, world_size=1, batch_size=16, max_seq_len=max_seq_len,
-                                   mask_prob=0.0, short_seq_prob=short_seq_prob, seed=seed, shuffle=False)
+                                   mask_prob=0.0, short_seq_prob=short_seq_prob, seed=seed, shuffle_block=1)
     docs = [stream.document(d) for d in range(stream.num_docs)]
     assert all((np.diff(bounds) > 0).all() for _, bounds in docs)  # no empty sentence: plans see every one
     expected = our_pairs(docs, max_seq_len - 3, short_seq_prob, seed)

@@ -100,10 +100,12 @@ def same_batches(xs, ys):
                 assert torch.equal(x[k], y[k]), k
 
 
-@pytest.mark.parametrize("objective", ["nsp", "mlm"])
+@pytest.mark.parametrize("objective,shuffle_block", [("nsp", 8192), ("mlm", 8192), ("nsp", 3), ("mlm", 4)])
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
-def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective, num_workers):
-    kw = dict(objective=objective, world_size=2, rank=1, seed=3)
+def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective, shuffle_block, num_workers):
+    """Blocks of 3 cut batches of 4 anywhere (a cursor inside a block, at its end, on the last short
+    one); blocks of 4 end with a batch; 8192 holds a shard."""
+    kw = dict(objective=objective, world_size=2, rank=1, seed=3, shuffle_block=shuffle_block)
     full = make_stream(corpus, tokenizer, **kw)
     full.set_epoch(2)
     reference = list(loader(full, num_workers))
@@ -120,6 +122,23 @@ def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective
         resumed.load_state_dict(state)
         rest = list(loader(resumed, num_workers))
         same_batches(rest, reference[k:])
+
+
+def test_a_resume_with_another_block_size_goes_on_with_the_epochs(corpus, tokenizer):
+    """The cursor names a place in blocks of the size the epoch began with: a resume with another
+    --shuffle-block finishes the epoch with that one (else samples would be read twice or lost)."""
+    kw = dict(objective="nsp", seed=3)
+    full = make_stream(corpus, tokenizer, shuffle_block=5, **kw)
+    full.set_epoch(1)
+    reference = list(loader(full, 0))
+    first = make_stream(corpus, tokenizer, shuffle_block=5, **kw)
+    first.set_epoch(1)
+    it = iter(loader(first, 0))
+    for _ in range(3):
+        first.consumed(next(it)["cursor"])
+    resumed = make_stream(corpus, tokenizer, shuffle_block=8, **kw)
+    resumed.load_state_dict(first.state_dict())
+    same_batches(list(loader(resumed, 0)), reference[3:])
 
 
 def test_resize_chain_4_2_2_repeats_nothing(corpus, tokenizer):
@@ -161,6 +180,34 @@ def test_resize_chain_4_2_2_repeats_nothing(corpus, tokenizer):
     assert all(len(tokens) > 100 for tokens in phases), [len(t) for t in phases]  # each phase read documents
     # every token of the corpus once over the three phases: nothing read twice, nothing lost
     assert Counter(t for tokens in phases for t in tokens) == corpus_tokens(corpus, tokenizer)
+
+
+def test_resize_during_the_leftover_and_on_workers_repeats_nothing(corpus, tokenizer):
+    """4 ranks read one batch of 4 from their first block of 7 (12 samples left over); 2 ranks take 6
+    each, rank 0 reads nothing and rank 1 one batch (still in its leftover); then 1 rank with 3
+    workers (3 shards: a resize again) reads the rest: every token of the corpus once."""
+    kw = dict(objective="mlm", mask_prob=0.0, seed=6, shuffle_block=7)
+    tokens, state = [], None
+    for world_size, num_workers, batches in ((4, 0, [1, 1, 1, 1]), (2, 0, [0, 1]), (1, 3, [None])):
+        states = []
+        for rank in range(world_size):
+            stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
+            if state is None:
+                stream.set_epoch(1)
+            else:
+                stream.load_state_dict(state, num_workers)
+            taken = []
+            for batch in loader(stream, num_workers):
+                if len(taken) == batches[rank]:
+                    break
+                stream.consumed(batch["cursor"])
+                taken.append(batch)
+            tokens += [t for ts in tokens_per_shard(taken, tokenizer).values() for t in ts]
+            states.append(stream.state_dict())
+        if world_size == 2:
+            assert len(states[1]["leftover"]) == 12 and states[1]["positions"]["1"]["leftover_used"] == 4
+        state = ds.BertPretrainStream.merge_states(states)
+    assert Counter(tokens) == corpus_tokens(corpus, tokenizer)
 
 
 def test_masking_statistics(corpus, tokenizer):

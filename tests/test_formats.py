@@ -280,10 +280,12 @@ def test_more_bad_inputs_name_the_problem_in_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- resume, estimator, CLI
 
-@pytest.mark.parametrize("fmt,objective,num_workers",
-                         [("jsonl", "nsp", 2), ("jsonl", "mlm", 0), ("parquet", "nsp", 0), ("parquet", "mlm", 2)])
-def test_resume_from_cursor_on_records(formats, tokenizer, fmt, objective, num_workers):
-    tds.test_resume_from_cursor_yields_exactly_the_rest(formats[fmt], tokenizer, objective, num_workers)
+@pytest.mark.parametrize("fmt,objective,shuffle_block,num_workers",
+                         [("jsonl", "nsp", 3, 2), ("jsonl", "mlm", 8192, 0), ("parquet", "nsp", 8192, 0),
+                          ("parquet", "mlm", 4, 2)])
+def test_resume_from_cursor_on_records(formats, tokenizer, fmt, objective, shuffle_block, num_workers):
+    tds.test_resume_from_cursor_yields_exactly_the_rest(formats[fmt], tokenizer, objective, shuffle_block,
+                                                        num_workers)
 
 
 @pytest.mark.parametrize("fmt,world_size,num_workers,objective,batch_size,epochs",
