@@ -1016,8 +1016,8 @@ def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, par
             yield unit
 
 
-def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_id, sep_id):
-    """The mlm samples of a shard, each with its parts ([doc_id, from, to]): a window of `width`
+def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_id, sep_id, specs):
+    """The mlm samples of a shard, each with its parts ([doc_id, from, to]; None unless `specs`): a window of `width`
     tokens is filled from a drawn document up to the window's end or the document's (its [SEP]),
     then from the next drawn one: documents change only at a [SEP], every window ends at a draw
     (the cursor needs nothing else), and every token of the shard is in one window."""
@@ -1029,7 +1029,7 @@ def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_i
         return (ids[k:end], draws[:, k:end], doc_id, k, end), end
 
     def window():  # the sample, and what it is made of ([doc_id, from, to] per part)
-        return packed_window(parts, cls_id, sep_id), [[int(p[2]), int(p[3]), int(p[4])] for p in parts]
+        return packed_window(parts, cls_id, sep_id), [[p[2], p[3], p[4]] for p in parts] if specs else None
 
     for part in draw_units(shard_docs, position, draw, open_units, take, lambda units: len(units[0]), width, partial):
         parts.append(part)
@@ -1192,16 +1192,19 @@ class BertPretrainStream(IterableDataset):
             self.cls_id, self.sep_id, self.max_seq_len - 3)
         return ids, draws, [doc_id], type_start, label
 
-    def _pool_samples(self, shard_docs, pool, draw, partial):
+    def _pool_samples(self, shard_docs, pool, draw, partial, specs):
         """(sample, its spec) of each sample the pool of a shard gives from its cursor `pool` on
         (updated in place). A sample is (ids, draws, doc ids, type_start, nsp label); its spec the
-        [doc_id, from, to] units it is made of, to rebuild it alone (_from_spec)."""
+        [doc_id, from, to] units it is made of, to rebuild it alone (_from_spec), if `specs` (a
+        resize needs them; reading does not, and fewer objects kept alive in a block keep Python's
+        garbage collector from costing a third of the data rate)."""
         if self.objective == "nsp":
             return draw_units(shard_docs, pool, draw, self._units,
-                              lambda units, k: ((self._nsp_sample(units, k), [[units[0], k, k + 1]]), k + 1),
+                              lambda units, k: ((self._nsp_sample(units, k), [[units[0], k, k + 1]] if specs else None),
+                                                k + 1),
                               lambda units: len(units[4]), 1, partial)
         return packed_windows(shard_docs, pool, draw, self._units, partial, self.max_seq_len - 2,
-                              self.cls_id, self.sep_id)
+                              self.cls_id, self.sep_id, specs)
 
     def _from_spec(self, spec, opened):
         """The sample a spec describes (a resize's leftover); opened: doc_id -> units, filled here."""
@@ -1213,11 +1216,11 @@ class BertPretrainStream(IterableDataset):
         parts = [(opened[d][0][a:b], opened[d][1][:, a:b], d) for d, a, b in spec]
         return packed_window(parts, self.cls_id, self.sep_id)
 
-    def _block(self, shard, num_shards, shard_docs, pool, partial, block_size):
+    def _block(self, shard, num_shards, shard_docs, pool, partial, block_size, specs=False):
         """(the pool's samples with their specs from its cursor `pool` on (updated in place), the first
         block_size of them): a block and the generator that goes on after it."""
         samples = self._pool_samples(shard_docs, pool, shard_draws(self.seed, self.epoch, shard, num_shards),
-                                     partial)
+                                     partial, specs)
         return samples, list(itertools.islice(samples, block_size))
 
     def _samples(self, shard, num_shards, shard_docs, position):
@@ -1250,11 +1253,14 @@ class BertPretrainStream(IterableDataset):
             after = copy.deepcopy(pool)  # where the next block begins
             order = block_order(len(chunk), self.seed, self.epoch, shard, num_shards, block, self.shuffle)
             following = []
-            for j in range(position["used"], len(chunk)):
+            for j in range(position["used"], len(chunk) - 1):
                 following += itertools.islice(samples, 1)
-                position.update({"pool": after, "block": block + 1, "used": 0} if j + 1 == len(chunk)
-                                else {"used": j + 1})
+                position["used"] = j + 1
                 yield chunk[order[j]][0]
+            if position["used"] < len(chunk):  # the block's last sample: the cursor moves to the next block
+                following += itertools.islice(samples, 1)
+                position.update({"pool": after, "block": block + 1, "used": 0})
+                yield chunk[order[-1]][0]
             following += itertools.islice(samples, block_size - len(following))
             position.update({"pool": after, "block": block + 1, "used": 0})
             chunk, block = following, block + 1
@@ -1277,7 +1283,7 @@ class BertPretrainStream(IterableDataset):
             leftover += state["leftover"][s::old_shards][pos["leftover_used"]:]
             pools[s] = copy.deepcopy(pos["pool"])
             if pos["used"]:  # the block it was reading: the rest of it is leftover
-                _, chunk = self._block(s, old_shards, docs[s], pools[s], state["partial"], pos["block_size"])
+                _, chunk = self._block(s, old_shards, docs[s], pools[s], state["partial"], pos["block_size"], True)
                 order = block_order(len(chunk), self.seed, self.epoch, s, old_shards, pos["block"], self.shuffle)
                 leftover += [chunk[i][1] for i in order[pos["used"]:]]
         new = reshard_pools(state, pools, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle)
