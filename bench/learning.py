@@ -156,8 +156,9 @@ def epochs_needed(args, tok_dir):
     """Enough --epochs that --max-steps ends the run (one spare): a huge --epochs would make pretrain_ddp.py's
     estimate list every epoch (100,000 epochs: 7 s and a 20 MB summary.json)."""
     import data_stream
+    import estimate_steps
     tokens = sum(len(doc) + 1 for doc in split_documents(data_stream.get_tokenizer(tok_dir), args, "train"))
-    steps_per_epoch = math.ceil(math.ceil(tokens / (args.max_seq_len - 2)) / args.batch_size)
+    steps_per_epoch = math.ceil(estimate_steps.shard_samples_of(tokens, "mlm", args.max_seq_len) / args.batch_size)
     return math.ceil(args.steps / steps_per_epoch) + 1
 
 
