@@ -141,35 +141,39 @@ def test_a_resume_with_another_block_size_goes_on_with_the_epochs(corpus, tokeni
     same_batches(list(loader(resumed, 0)), reference[3:])
 
 
+def read_phase(corpus, tokenizer, kw, world_size, num_workers, state, batches):
+    """Every rank of a run reads batches[rank] batches (None: to the end) of epoch 1, from `state`
+    (None: its start), and records them as consumed. Returns (each rank's state, the tokens read)."""
+    states, tokens = [], []
+    for rank in range(world_size):
+        stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
+        if state is None:
+            stream.set_epoch(1)
+        else:
+            stream.load_state_dict(state, num_workers)
+        taken = []
+        for batch in loader(stream, num_workers):
+            if len(taken) == batches[rank]:
+                break
+            stream.consumed(batch["cursor"])
+            taken.append(batch)
+        tokens += [t for ts in tokens_per_shard(taken, tokenizer).values() for t in ts]
+        states.append(stream.state_dict())
+    return states, tokens
+
+
 def test_resize_chain_4_2_2_repeats_nothing(corpus, tokenizer):
     """4 ranks consume part of an epoch; resumed on 2 ranks x 1 worker, which consume more and
     checkpoint; restarted on 2 x 1 again: no document is ever read twice in the epoch, partly read
     documents go on where they stopped."""
     kw = dict(objective="mlm", mask_prob=0.0, seed=5, shuffle_block=7)
     seen, phases = [], []
-
-    def consume(world_size, num_workers, state, batches_per_rank):
-        states, tokens = [], []
-        for rank in range(world_size):
-            stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
-            if state is None:
-                stream.set_epoch(1)
-            else:
-                stream.load_state_dict(state, num_workers)
-            it, taken = iter(loader(stream, num_workers)), []
-            for batch in it:
-                if len(taken) == batches_per_rank:
-                    break
-                stream.consumed(batch["cursor"])
-                taken.append(batch)
-            del it
-            tokens += [t for ts in tokens_per_shard(taken, tokenizer).values() for t in ts]
-            states.append(stream.state_dict())
-        phases.append(tokens)
-        return states
-
-    states = consume(4, 0, None, 19)  # 76 windows per rank: 10 blocks of 7 and 6 of the 11th: 1 left over each
-    states = consume(2, 1, ds.BertPretrainStream.merge_states(states), 10)  # 2 leftover windows each, and more
+    # 76 windows per rank: 10 blocks of 7 and 6 of the 11th: 1 left over each
+    states, tokens = read_phase(corpus, tokenizer, kw, 4, 0, None, [19] * 4)
+    phases.append(tokens)
+    # 2 leftover windows each, and more
+    states, tokens = read_phase(corpus, tokenizer, kw, 2, 1, ds.BertPretrainStream.merge_states(states), [10] * 2)
+    phases.append(tokens)
     # the new sharding, what it left out, the 4 leftover windows, documents the pools had partly read
     assert all(s["num_shards"] == 2 and s["exclude"] and len(s["leftover"]) == 4 and s["partial"] for s in states)
     for rank in range(2):  # a same-size restart: each rank its own cursor
@@ -189,21 +193,8 @@ def test_resize_during_the_leftover_and_on_workers_repeats_nothing(corpus, token
     kw = dict(objective="mlm", mask_prob=0.0, seed=6, shuffle_block=7)
     tokens, state = [], None
     for world_size, num_workers, batches in ((4, 0, [1, 1, 1, 1]), (2, 0, [0, 1]), (1, 3, [None])):
-        states = []
-        for rank in range(world_size):
-            stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
-            if state is None:
-                stream.set_epoch(1)
-            else:
-                stream.load_state_dict(state, num_workers)
-            taken = []
-            for batch in loader(stream, num_workers):
-                if len(taken) == batches[rank]:
-                    break
-                stream.consumed(batch["cursor"])
-                taken.append(batch)
-            tokens += [t for ts in tokens_per_shard(taken, tokenizer).values() for t in ts]
-            states.append(stream.state_dict())
+        states, read = read_phase(corpus, tokenizer, kw, world_size, num_workers, state, batches)
+        tokens += read
         if world_size == 2:
             assert len(states[1]["leftover"]) == 12 and states[1]["positions"]["1"]["leftover_used"] == 4
         state = ds.BertPretrainStream.merge_states(states)
