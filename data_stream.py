@@ -820,7 +820,7 @@ def packed_window(parts, cls_id, sep_id):
     ids = np.concatenate([[cls_id], *[p[0] for p in parts], [sep_id]]).astype(np.int64)
     edge = np.ones((3, 1), np.float32)
     draws = np.concatenate([edge, *[p[1] for p in parts], edge], axis=1)
-    return ids, draws, sorted({p[2] for p in parts}), len(ids), 0
+    return ids, draws, tuple(sorted({p[2] for p in parts})), len(ids), 0
 
 
 def token_tables(tokenizer):
@@ -1190,7 +1190,7 @@ class BertPretrainStream(IterableDataset):
         ids, draws, type_start, label = pair_sample(  # room for [CLS] A [SEP] B [SEP]
             ids, starts, ends, plans[k], doc_rng(self.seed, self.epoch, doc_id, 1, k), self._random_b,
             self.cls_id, self.sep_id, self.max_seq_len - 3)
-        return ids, draws, [doc_id], type_start, label
+        return ids, draws, (doc_id,), type_start, label
 
     def _pool_samples(self, shard_docs, pool, draw, partial, specs):
         """(sample, its spec) of each sample the pool of a shard gives from its cursor `pool` on
