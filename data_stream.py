@@ -15,7 +15,8 @@ nothing is ever downloaded.
 The layers, one section each, top to bottom, each using only the ones above it:
 1. Reading: a corpus -> numbered documents, each a list of sentences. A one-time offset index
    (cached on disk) says where each document is; documents are read by position when needed, so
-   memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes.
+   memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes;
+   for mlm, runs of up to 4 neighbouring documents are read as one (RoBERTa's packing).
    Parquet and Arrow files are read by arrow_corpus.py, the only code that needs pyarrow,
    imported when such a file is met (text and jsonl corpora need neither).
 2. Tokenizer: a WordPiece trained on an evenly spread sample of the corpus (or a folder).
@@ -68,6 +69,7 @@ MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bou
 MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 SHUFFLE_BLOCK = 8192        # default --shuffle-block: samples a worker shuffles together
+JOIN_DOCS = 4               # mlm reads runs of up to this many neighbouring documents as one
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
 PIECE_TOKENS = 1 << 23      # the token cache is written in pieces of about this many tokens (16 MB)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -397,14 +399,40 @@ def _cut_lines(lines):
     return out
 
 
+def _runs(parts, max_doc_bytes):
+    """Where each run of neighbouring documents (Corpus `join`) begins, in the index of all files."""
+    runs, first = [], 0
+    for x in parts:  # a file's index
+        count, size = JOIN_DOCS, 0
+        for i, piece_bytes in enumerate(x["bytes"].tolist()):
+            if count == JOIN_DOCS or size + piece_bytes > max_doc_bytes:
+                runs.append(first + i)
+                count, size = 0, 0
+            count, size = count + 1, size + piece_bytes
+        first += len(x["bytes"])
+    return runs
+
+
 class Corpus:
     """Numbered documents, each a list of sentences, read by position from the corpus files.
 
     `sentences`: records of jsonl/parquet/arrow are split into sentences (for nsp pairs); text
-    files are already one sentence per line. State: the index and this process's open files."""
+    files are already one sentence per line. The index has an entry per document, or per part of a
+    long one. `join` (mlm): a document is a run of up to JOIN_DOCS neighbouring entries of a file
+    (fewer where the next would take it past max_doc_bytes; the stream puts a [SEP] between them).
+    State: the index and this process's open files.
+
+    Why runs: RoBERTa's packing fills a sequence from the next document of the corpus, and
+    neighbours in a corpus are often related (a module's docstrings, a book's paragraphs, a
+    site's pages); a window that holds them learns from that context. Drawn from the whole
+    corpus instead, our eval loss on builtin stayed 0.013-0.018 above run_mlm's (which
+    concatenates the corpus in order), and run_mlm with its documents in a random order lost
+    0.03 (BENCHMARKS.md section 11). Runs are counted in documents, not bytes (which differ by
+    format): the same records as text or jsonl give the same runs. They stay short, so shards and
+    the pool stay fine-grained, and within max_doc_bytes, so a worker's memory bound holds."""
 
     def __init__(self, spec="builtin", split="train", text_field="text", max_doc_bytes=MAX_DOC_BYTES,
-                 sentences=True, language="en"):
+                 sentences=True, language="en", join=False):
         if max_doc_bytes < 1024:
             raise CorpusError(f"--max-doc-bytes must be at least 1024, not {max_doc_bytes}")
         self.text_field, self.max_doc_bytes = text_field, max_doc_bytes
@@ -423,8 +451,10 @@ class Corpus:
                           stacklevel=2)
         self.index = {k: np.concatenate([x[k] for x in parts]) for k in ("start", "end", "part", "bytes")}
         self.index["file"] = np.concatenate([np.full(len(x["start"]), i, np.int32) for i, x in enumerate(parts)])
+        self.runs = np.array(_runs(parts, max_doc_bytes) if join else range(len(self.index["start"])), np.int64)
         if self.num_docs == 0:
             raise CorpusError(f"corpus {', '.join(given)} holds no text")
+        self._doc_bytes = np.add.reduceat(self.index["bytes"], self.runs)
         if sentences and any(f != "text" for f in self.formats):
             self._segmenter()  # fail now, not in a DataLoader worker
             # sentencex splits a language it has no rules for by the English ones, silently: say so
@@ -439,24 +469,28 @@ class Corpus:
 
     @property
     def num_docs(self):
-
-        return len(self.index["start"])
+        return len(self.runs)
 
     def doc_bytes(self):
-        return self.index["bytes"]
+        return self._doc_bytes
 
-    def fingerprint(self):
-        """What must be equal on every rank and across a resume: documents, bytes, the offset index."""
+    def fingerprint(self, entries=False):
+        """What must be equal on every rank and across a resume: documents, bytes, the offset index
+        (entries: of the index entries, not of mlm's runs of them)."""
         digest = hashlib.sha256()
         for key in ("file", "start", "end", "part", "bytes"):
             digest.update(np.ascontiguousarray(self.index[key]).tobytes())
-        return {"documents": self.num_docs, "bytes": int(self.doc_bytes().sum()), "index": digest.hexdigest()[:16]}
+        if not entries and self.num_docs < self.num_entries:  # runs (mlm) are other documents
+            digest.update(self.runs.tobytes())
+        return {"documents": self.num_entries if entries else self.num_docs, "bytes": int(self.index["bytes"].sum()),
+                "index": digest.hexdigest()[:16]}
 
     def identity(self):
-        """This machine's files and reading settings: what a cache of their tokens is keyed by."""
+        """This machine's files and reading settings: what a cache of their tokens (per index entry:
+        nsp and mlm share it) is keyed by."""
         files = [file_identity(p) for p in self.files]
         split = self.sentences and any(f != "text" for f in self.formats)  # text reads the same either way
-        return [files, self.text_field, self.max_doc_bytes, split, self.language, self.fingerprint()]
+        return [files, self.text_field, self.max_doc_bytes, split, self.language, self.fingerprint(entries=True)]
 
     def _segmenter(self):
         try:
@@ -478,24 +512,34 @@ class Corpus:
                 self._open[file_id] = _arrow_corpus(path).open_records(path, fmt, self.text_field)
         return self._open[file_id]
 
-    def _record_text(self, doc_id):
-        file_id, start, end = int(self.index["file"][doc_id]), int(self.index["start"][doc_id]), \
-            int(self.index["end"][doc_id])
+    def _record_text(self, entry):
+        file_id, start, end = int(self.index["file"][entry]), int(self.index["start"][entry]), \
+            int(self.index["end"][entry])
         fmt, handle = self.formats[file_id], self._handle(file_id)
         if fmt == "jsonl":
             handle.seek(start)
             return _json_text(handle.read(end - start), self.files[file_id], "?", self.text_field)
         return _arrow_corpus(self.files[file_id]).record_text(handle, fmt, start, end, self.text_field)
 
-    def read(self, doc_id):
-        """A document's non-blank sentences (text: its lines), long lines cut into pieces."""
-        file_id = int(self.index["file"][doc_id])
+    @property
+    def num_entries(self):
+        return len(self.index["start"])
+
+    def entries(self, doc_id):
+        """The index entries document doc_id is made of (more than one: a run of neighbours, mlm)."""
+        end = self.runs[doc_id + 1] if doc_id + 1 < len(self.runs) else self.num_entries
+        return range(int(self.runs[doc_id]), int(end))
+
+    def read(self, entry):
+        """An index entry's non-blank sentences (text: its lines), long lines cut into pieces: a
+        document, or a part of a long one (without `join` an entry is a document: the same number)."""
+        file_id = int(self.index["file"][entry])
         if self.formats[file_id] == "text":
             f = self._handle(file_id)
-            f.seek(int(self.index["start"][doc_id]))
-            raw = f.read(int(self.index["end"][doc_id] - self.index["start"][doc_id]))
+            f.seek(int(self.index["start"][entry]))
+            raw = f.read(int(self.index["end"][entry] - self.index["start"][entry]))
             return _cut_lines(raw.decode("utf-8", errors="replace").split("\n"))
-        text, part = self._record_text(doc_id), int(self.index["part"][doc_id])
+        text, part = self._record_text(entry), int(self.index["part"][entry])
         if len(text) > self.max_doc_bytes:
             m = self.max_doc_bytes
             lo = _whitespace_after(text, part * m) if part else 0
@@ -510,17 +554,18 @@ class Corpus:
 
 
 def open_corpus(spec, split="train", objective="nsp", text_field="text", max_doc_bytes=MAX_DOC_BYTES, language="en"):
-    """A Corpus read as `objective` needs it: sentences for nsp pairs, lines for packed mlm."""
+    """A Corpus read as `objective` needs it: sentences for nsp pairs, lines (and runs of neighbours) for packed mlm."""
     return spec if isinstance(spec, Corpus) else Corpus(spec, split, text_field, max_doc_bytes,
-                                                        objective == "nsp", language)
+                                                        objective == "nsp", language, objective == "mlm")
 
 
 # ============================================================================= 2. tokenizer
 
 def tokenizer_sample(corpus, sample_bytes):
-    """Documents to train the tokenizer on: all, or a seeded random set spread over the whole
-    corpus (every file) with about sample_bytes of text, in corpus order (files read forward)."""
-    sizes = corpus.doc_bytes()
+    """Index entries (documents or parts of long ones, never mlm's runs: nsp and mlm train the same
+    tokenizer) to train the tokenizer on: all, or a seeded random set spread over the whole corpus
+    (every file) with about sample_bytes of text, in corpus order (files read forward)."""
+    sizes = corpus.index["bytes"]
     if sizes.sum() <= sample_bytes:
         return np.arange(len(sizes))
     order = np.random.default_rng(11).permutation(len(sizes))
@@ -528,14 +573,14 @@ def tokenizer_sample(corpus, sample_bytes):
     return np.sort(order[:take])
 
 
-def train_tokenizer(corpus, doc_ids, vocab_size, out_dir):
+def train_tokenizer(corpus, entries, vocab_size, out_dir):
     """Train a lower-cased BERT WordPiece tokenizer on the given documents, on all cores."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     def batches():
-        for k in range(0, len(doc_ids), 256):
-            yield [s for d in doc_ids[k:k + 256] for s in corpus.read(int(d))]
+        for k in range(0, len(entries), 256):
+            yield [s for d in entries[k:k + 256] for s in corpus.read(int(d))]
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -1048,7 +1093,8 @@ class BertPretrainStream(IterableDataset):
 
     objective 'nsp': original BERT sentence pairs with next-sentence labels;
     objective 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
-    by [SEP], no padding but at the very end of a shard.
+    by [SEP] (a document goes on into its corpus neighbours: Corpus `join`), no padding but at the
+    very end of a shard.
     State: the epoch, the cursor to resume from, what the trainer consumed, the token cache.
     """
 
@@ -1135,15 +1181,30 @@ class BertPretrainStream(IterableDataset):
 
     # --- documents: token ids, from the cache or tokenized now (worker process)
     def document(self, doc_id):
-        """(ids, sentence bounds) of a document, from the token cache or tokenized (and cached) now."""
+        """(ids, sentence bounds) of a document; of a run of neighbours (mlm) with a [SEP] between
+        them, a sentence of its own."""
+        entries = [self._entry(e) for e in self.corpus.entries(doc_id)]
+        if len(entries) == 1:
+            return entries[0]
+        ids, bounds = [], [np.zeros(1, np.int64)]
+        for k, (entry_ids, entry_bounds) in enumerate(entries):
+            if k:
+                ids.append(np.array([self.sep_id], np.int32))
+                bounds.append(bounds[-1][-1:] + 1)
+            ids.append(entry_ids.astype(np.int32))
+            bounds.append(entry_bounds[1:] + bounds[-1][-1])
+        return np.concatenate(ids), np.concatenate(bounds)
+
+    def _entry(self, entry):
+        """(ids, sentence bounds) of an index entry, from the token cache or tokenized (and cached) now."""
         if self.cache is not None and self.cache.where is None:
-            self.cache.refresh(self.num_docs)
-        hit = self.cache.get(doc_id) if self.cache is not None else None
+            self.cache.refresh(self.corpus.num_entries)
+        hit = self.cache.get(entry) if self.cache is not None else None
         if hit is not None:
             return hit
-        ids, bounds = tokenize_lines(self.tokenizer, self.corpus.read(doc_id))
+        ids, bounds = tokenize_lines(self.tokenizer, self.corpus.read(entry))
         if self.cache is not None:
-            self.cache.add(doc_id, ids, bounds)
+            self.cache.add(entry, ids, bounds)
         return ids, bounds
 
     def segment_lengths(self, doc_id):
@@ -1161,8 +1222,9 @@ class BertPretrainStream(IterableDataset):
                           doc_rng(self.seed, epoch, doc_id, 0))
 
     def _random_b(self, doc_id, frac, target_len):
-        """B of a random next sentence. A cached document is sliced; otherwise only the sentences
-        needed are tokenized (and not cached: they are part of another worker's document)."""
+        """B of a random next sentence (nsp: a document is an index entry). A cached document is
+        sliced; otherwise only the sentences needed are tokenized (and not cached: they are part of
+        another worker's document)."""
         hit = self.cache.get(doc_id) if self.cache is not None else None
         if hit is not None and len(hit[1]) > 1:
             b = random_segment(*hit, frac, target_len)
@@ -1310,7 +1372,7 @@ class BertPretrainStream(IterableDataset):
         position = dict(resume["positions"].get(str(shard))
                         or fresh_position(self.num_open, len(shard_docs), self.block_size))
         if self.cache is not None:
-            self.cache.refresh(self.num_docs)
+            self.cache.refresh(self.corpus.num_entries)
         batch = []
         try:
             for sample in self._samples(shard, num_shards, shard_docs, position):
@@ -1403,7 +1465,8 @@ def add_data_args(parser):
     group.add_argument("--tokenizer-sample-mb", type=number(float, 0, low_open=True), default=TOKENIZER_SAMPLE_MB,
                        help="a trained tokenizer sees at most this much text, spread evenly over the corpus")
     group.add_argument("--objective", default="nsp", choices=["nsp", "mlm"],
-                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style")
+                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style (a "
+                            "document goes on into the next ones of the corpus)")
     group.add_argument("--max-seq-len", type=number(int, 3), default=128,
                        help="tokens per sample, [CLS]/[SEP] included (nsp: at least 5)")
     group.add_argument("--short-seq-prob", type=number(float, 0, 1), default=0.1,
@@ -1454,7 +1517,7 @@ def build_cache(stream):
     """Tokenize every document not yet cached, in batches on all cores (the parent never forks)."""
     if stream.cache is None:
         raise CorpusError("--build-cache needs a token cache: drop --token-cache none")
-    stream.cache.refresh(stream.num_docs)
+    stream.cache.refresh(stream.corpus.num_entries)
     todo = np.flatnonzero(stream.cache.where[:, 0] < 0)
     t0, tokens, batch_docs = time.perf_counter(), 0, 512
     for k in range(0, len(todo), batch_docs):
@@ -1471,7 +1534,7 @@ def build_cache(stream):
     if not stream.cache.writable:
         raise CorpusError(f"--build-cache: nothing could be written to {stream.cache.dir}")
     seconds = time.perf_counter() - t0
-    print(f"token cache: {len(todo):,} documents tokenized ({stream.num_docs - len(todo):,} were cached), "
+    print(f"token cache: {len(todo):,} documents tokenized ({stream.corpus.num_entries - len(todo):,} were cached), "
           f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {stream.cache.dir}")
 
 
