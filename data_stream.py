@@ -43,6 +43,7 @@ import ast
 import contextlib
 import copy
 import fcntl
+import functools
 import glob
 import gzip
 import hashlib
@@ -775,6 +776,35 @@ def token_cache_for(setting, corpus, tokenizer):
     return TokenCache(root, key, len(tokenizer))
 
 
+def entry_tokens(corpus, tokenizer, cache, entry):
+    """(ids, sentence bounds) of an index entry, from the token cache or tokenized (and cached) now."""
+    if cache is not None and cache.where is None:
+        cache.refresh(corpus.num_entries)
+    hit = cache.get(entry) if cache is not None else None
+    if hit is not None:
+        return hit
+    ids, bounds = tokenize_lines(tokenizer, corpus.read(entry))
+    if cache is not None:
+        cache.add(entry, ids, bounds)
+    return ids, bounds
+
+
+def document_tokens(corpus, tokenizer, cache, doc_id):
+    """(ids, sentence bounds) of a document; of a run of neighbours (mlm) with a [SEP] between
+    them, a sentence of its own."""
+    entries = [entry_tokens(corpus, tokenizer, cache, e) for e in corpus.entries(doc_id)]
+    if len(entries) == 1:
+        return entries[0]
+    ids, bounds = [], [np.zeros(1, np.int64)]
+    for k, (entry_ids, entry_bounds) in enumerate(entries):
+        if k:
+            ids.append(np.array([tokenizer.sep_token_id], np.int32))
+            bounds.append(bounds[-1][-1:] + 1)
+        ids.append(entry_ids.astype(np.int32))
+        bounds.append(entry_bounds[1:] + bounds[-1][-1])
+    return np.concatenate(ids), np.concatenate(bounds)
+
+
 # ============================================================================= 4. samples
 
 def doc_rng(seed, epoch, doc_id, *purpose):
@@ -848,16 +878,32 @@ def random_segment_of_lines(tokenizer, lines, frac, target_len):
     return random_segment(np.concatenate(ids), np.concatenate(bounds), 0.0, target_len) if ids else []
 
 
-def pair_sample(ids, starts, ends, plan, rng, random_b, cls_id, sep_id, max_num_tokens):
-    """One nsp sample, [CLS] A [SEP] B [SEP], from a plan of plan_pairs over a document whose
-    sentence i is ids[starts[i]:ends[i]]; random_b(doc_id, frac, target_len) reads a random next
-    segment. Returns (ids, masking draws, where B starts, next-sentence label)."""
-    a_start, a_end, b_end, random_doc, frac, target_len = plan
+def random_next_segment(corpus, tokenizer, cache, doc_id, frac, target_len):
+    """B of a random next sentence (nsp: a document is an index entry). A cached document is
+    sliced; otherwise only the sentences needed are tokenized (and not cached: they are part of
+    another worker's document)."""
+    hit = cache.get(doc_id) if cache is not None else None
+    if hit is not None and len(hit[1]) > 1:
+        b = random_segment(*hit, frac, target_len)
+    else:
+        b = random_segment_of_lines(tokenizer, corpus.read(doc_id), frac, target_len)
+    return b if len(b) else np.array([tokenizer.unk_token_id], np.int32)
+
+
+def pair_sample(units, k, seed, epoch, random_b, cls_id, sep_id, max_num_tokens):
+    """Sample k of a document, [CLS] A [SEP] B [SEP], from its units (doc_id, ids, starts, ends, plans of
+    plan_pairs; sentence i is ids[starts[i]:ends[i]]), built when it is drawn: its random next segment,
+    random_b(doc_id, frac, target_len), is read then, so a long document's samples cost nothing until they
+    are used. Its RNG is its own (keyed by k): a resumed stream builds sample k without building the ones
+    before it. Returns (ids, masking draws, (doc_id,), where B starts, next-sentence label)."""
+    doc_id, ids, starts, ends, plans = units
+    a_start, a_end, b_end, random_doc, frac, target_len = plans[k]
+    rng = doc_rng(seed, epoch, doc_id, 1, k)
     a = ids[starts[a_start]:ends[a_end - 1]]
     b = random_b(random_doc, frac, target_len - len(a)) if random_doc >= 0 else ids[starts[a_end]:ends[b_end - 1]]
     a, b = truncate_pair(a, b, max_num_tokens, rng)
     sample = np.concatenate([[cls_id], a, [sep_id], b, [sep_id]]).astype(np.int64)
-    return sample, rng.random((3, len(sample)), dtype=np.float32), len(a) + 2, int(random_doc >= 0)
+    return sample, rng.random((3, len(sample)), dtype=np.float32), (doc_id,), len(a) + 2, int(random_doc >= 0)
 
 
 def packed_window(parts, cls_id, sep_id):
@@ -1086,6 +1132,77 @@ def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_i
         yield window()
 
 
+def shard_samples(position, leftover, rebuild, samples_from, seed, epoch, shard, num_shards, shuffle):
+    """The samples of a shard from `position` (its cursor, updated in place) on: first `leftover`,
+    its share of a resize's leftover (specs: rebuild(spec, opened) builds one, opened: doc_id ->
+    units), then the pool's samples, samples_from(pool) -> (sample, spec) from a pool cursor on
+    (updated in place), in blocks of --shuffle-block, each block in a random order (block_order).
+
+    The pool mixes documents (a batch holds samples of many) and keeps the mixture the same
+    all epoch (draws proportional to what each open document has left), but gives each
+    document's samples in the order of its text; the block shuffles them. Both matter on a
+    corpus of few long documents (the pydoc topics alone, 27 epochs in 1,200 steps: the pool
+    alone ends 0.06 nats worse than pool + block, BENCHMARKS section 11); a shuffle of the
+    documents' text cut into windows in the epoch's document order instead ends 0.14 worse.
+    The next block is built one sample per sample used of this one, so a worker's work stays
+    even (a block built at once would stall the trainer at every block); memory: two blocks
+    (measured +40 MB at --max-seq-len 128), and the first is built before its first sample is
+    used (0.2 s on builtin, warm cache)."""
+    opened = {}
+    last_use = {doc_id: i for i, spec in enumerate(leftover) for doc_id, _, _ in spec}
+    for i in range(position["leftover_used"], len(leftover)):
+        position["leftover_used"] = i + 1
+        yield rebuild(leftover[i], opened)
+        for doc_id, _, _ in leftover[i]:  # memory: only the documents still to be used
+            if last_use[doc_id] == i:
+                opened.pop(doc_id, None)
+    pool, block, block_size = copy.deepcopy(position["pool"]), position["block"], position["block_size"]
+    samples = samples_from(pool)
+    chunk = list(itertools.islice(samples, block_size))
+    while chunk:
+        after = copy.deepcopy(pool)  # where the next block begins
+        order = block_order(len(chunk), seed, epoch, shard, num_shards, block, shuffle)
+        following = []
+        for j in range(position["used"], len(chunk) - 1):
+            following += itertools.islice(samples, 1)
+            position["used"] = j + 1
+            yield chunk[order[j]][0]
+        if position["used"] < len(chunk):  # the block's last sample: the cursor moves to the next block
+            following += itertools.islice(samples, 1)
+            position.update({"pool": after, "block": block + 1, "used": 0})
+            yield chunk[order[-1]][0]
+        following += itertools.islice(samples, block_size - len(following))
+        position.update({"pool": after, "block": block + 1, "used": 0})
+        chunk, block = following, block + 1
+
+
+def reshard_state(state, num_shards, doc_bytes, seed, shuffle, num_open, block_size, pool_samples):
+    """A state written for state["num_shards"] shards (merged over every rank), for num_shards:
+    what each old shard had not read of its share of 'leftover' and of the block it was reading
+    becomes the new 'leftover' (as specs: the samples themselves, shared round-robin by the new
+    shards, which read them first); the rest of the documents is resharded (reshard_pools).
+    pool_samples(shard, num_shards, shard_docs, pool, partial, specs) -> (sample, spec) of each
+    sample a shard's pool gives from its cursor `pool` on (updated in place), in state's epoch.
+    Costs of a resize mid-epoch: every rank rebuilds each old shard's block here (up to
+    --shuffle-block samples each), and the specs (up to old shards x --shuffle-block of them)
+    ride in every checkpoint until the epoch ends."""
+    old_shards = state["num_shards"]
+    docs = shard_documents(doc_bytes, seed, state["epoch"], old_shards, shuffle,
+                           np.array(state["exclude"], np.int64) if state["exclude"] else None)
+    leftover, pools = [], {}
+    for s in range(old_shards):
+        pos = state["positions"].get(str(s)) or fresh_position(num_open, len(docs[s]), block_size)
+        leftover += state["leftover"][s::old_shards][pos["leftover_used"]:]
+        pools[s] = copy.deepcopy(pos["pool"])
+        if pos["used"]:  # the block it was reading: the rest of it is leftover
+            samples = pool_samples(s, old_shards, docs[s], pools[s], state["partial"], True)
+            chunk = list(itertools.islice(samples, pos["block_size"]))
+            order = block_order(len(chunk), seed, state["epoch"], s, old_shards, pos["block"], shuffle)
+            leftover += [chunk[i][1] for i in order[pos["used"]:]]
+    new = reshard_pools(state, pools, num_shards, doc_bytes, seed, shuffle)
+    return {**new, "leftover": leftover}
+
+
 # ============================================================================= 6. the stream
 
 class BertPretrainStream(IterableDataset):
@@ -1107,12 +1224,10 @@ class BertPretrainStream(IterableDataset):
             raise CorpusError(f"--objective must be nsp or mlm, not {objective!r}")
         if max_seq_len < (5 if objective == "nsp" else 3):
             raise CorpusError(f"--max-seq-len {max_seq_len} is too small for a {objective} sample")
-        if batch_size < 1:
-            raise CorpusError(f"--batch-size must be at least 1, not {batch_size}")
-        if shuffle_docs < 1:
-            raise CorpusError(f"--shuffle-docs must be at least 1, not {shuffle_docs}")
-        if shuffle_block < 1:
-            raise CorpusError(f"--shuffle-block must be at least 1, not {shuffle_block}")
+        for flag, value in (("--batch-size", batch_size), ("--shuffle-docs", shuffle_docs),
+                            ("--shuffle-block", shuffle_block)):
+            if value < 1:
+                raise CorpusError(f"{flag} must be at least 1, not {value}")
         self.corpus = open_corpus(corpus, split, objective, text_field, max_doc_bytes, language)
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, vocab_size)
         self.objective, self.max_seq_len, self.batch_size = objective, max_seq_len, batch_size
@@ -1175,37 +1290,16 @@ class BertPretrainStream(IterableDataset):
                               "order): resume it with that version, or start the epoch again (--resume none)")
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
-            state = self._reshard(state, num_shards)
+            self.epoch = state["epoch"]  # the old shards' blocks are built again, in their epoch
+            state = reshard_state(state, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle, self.num_open,
+                                  self.block_size, self._pool_samples)
         self.epoch, self.resume = state["epoch"], state
         self._consumed = copy.deepcopy(state) if state["num_shards"] else None
 
     # --- documents: token ids, from the cache or tokenized now (worker process)
     def document(self, doc_id):
-        """(ids, sentence bounds) of a document; of a run of neighbours (mlm) with a [SEP] between
-        them, a sentence of its own."""
-        entries = [self._entry(e) for e in self.corpus.entries(doc_id)]
-        if len(entries) == 1:
-            return entries[0]
-        ids, bounds = [], [np.zeros(1, np.int64)]
-        for k, (entry_ids, entry_bounds) in enumerate(entries):
-            if k:
-                ids.append(np.array([self.sep_id], np.int32))
-                bounds.append(bounds[-1][-1:] + 1)
-            ids.append(entry_ids.astype(np.int32))
-            bounds.append(entry_bounds[1:] + bounds[-1][-1])
-        return np.concatenate(ids), np.concatenate(bounds)
-
-    def _entry(self, entry):
-        """(ids, sentence bounds) of an index entry, from the token cache or tokenized (and cached) now."""
-        if self.cache is not None and self.cache.where is None:
-            self.cache.refresh(self.corpus.num_entries)
-        hit = self.cache.get(entry) if self.cache is not None else None
-        if hit is not None:
-            return hit
-        ids, bounds = tokenize_lines(self.tokenizer, self.corpus.read(entry))
-        if self.cache is not None:
-            self.cache.add(entry, ids, bounds)
-        return ids, bounds
+        """(ids, sentence bounds) of a document (document_tokens)."""
+        return document_tokens(self.corpus, self.tokenizer, self.cache, doc_id)
 
     def segment_lengths(self, doc_id):
         """Token counts of a document's sentences, empty ones dropped: what pairs are planned on."""
@@ -1221,17 +1315,6 @@ class BertPretrainStream(IterableDataset):
         return plan_pairs(seg_lens.tolist(), self.max_seq_len - 3, self.short_seq_prob, doc_id, self.num_docs,
                           doc_rng(self.seed, epoch, doc_id, 0))
 
-    def _random_b(self, doc_id, frac, target_len):
-        """B of a random next sentence (nsp: a document is an index entry). A cached document is
-        sliced; otherwise only the sentences needed are tokenized (and not cached: they are part of
-        another worker's document)."""
-        hit = self.cache.get(doc_id) if self.cache is not None else None
-        if hit is not None and len(hit[1]) > 1:
-            b = random_segment(*hit, frac, target_len)
-        else:
-            b = random_segment_of_lines(self.tokenizer, self.corpus.read(doc_id), frac, target_len)
-        return b if len(b) else np.array([self.tokenizer.unk_token_id], np.int32)
-
     # --- units: what a draw from an open document takes (nsp: a sample; mlm: tokens of its stream)
     def _units(self, doc_id):
         """nsp: the document's planned pairs (built when drawn); mlm: its tokens and a [SEP], with
@@ -1245,21 +1328,18 @@ class BertPretrainStream(IterableDataset):
         return doc_id, ids, starts, starts + lengths, self.pair_plans(lengths, doc_id, self.epoch)
 
     def _nsp_sample(self, units, k):
-        """Sample k of a document, built when it is drawn: its random next segment is read then,
-        so a long document's samples cost nothing until they are used. Its RNG is its own (keyed by
-        k): a resumed stream builds sample k without building the ones before it."""
-        doc_id, ids, starts, ends, plans = units
-        ids, draws, type_start, label = pair_sample(  # room for [CLS] A [SEP] B [SEP]
-            ids, starts, ends, plans[k], doc_rng(self.seed, self.epoch, doc_id, 1, k), self._random_b,
-            self.cls_id, self.sep_id, self.max_seq_len - 3)
-        return ids, draws, (doc_id,), type_start, label
+        """Sample k of a document, from its units (pair_sample)."""
+        random_b = functools.partial(random_next_segment, self.corpus, self.tokenizer, self.cache)
+        return pair_sample(units, k, self.seed, self.epoch, random_b, self.cls_id, self.sep_id,
+                           self.max_seq_len - 3)  # room for [CLS] A [SEP] B [SEP]
 
-    def _pool_samples(self, shard_docs, pool, draw, partial, specs):
+    def _pool_samples(self, shard, num_shards, shard_docs, pool, partial, specs=False):
         """(sample, its spec) of each sample the pool of a shard gives from its cursor `pool` on
         (updated in place). A sample is (ids, draws, doc ids, type_start, nsp label); its spec the
         [doc_id, from, to] units it is made of, to rebuild it alone (_from_spec), if `specs` (a
         resize needs them; reading does not, and fewer objects kept alive in a block keep Python's
         garbage collector from costing a third of the data rate)."""
+        draw = shard_draws(self.seed, self.epoch, shard, num_shards)
         if self.objective == "nsp":
             return draw_units(shard_docs, pool, draw, self._units,
                               lambda units, k: ((self._nsp_sample(units, k), [[units[0], k, k + 1]] if specs else None),
@@ -1277,79 +1357,6 @@ class BertPretrainStream(IterableDataset):
             return self._nsp_sample(opened[spec[0][0]], spec[0][1])
         parts = [(opened[d][0][a:b], opened[d][1][:, a:b], d) for d, a, b in spec]
         return packed_window(parts, self.cls_id, self.sep_id)
-
-    def _block(self, shard, num_shards, shard_docs, pool, partial, block_size, specs=False):
-        """(the pool's samples with their specs from its cursor `pool` on (updated in place), the first
-        block_size of them): a block and the generator that goes on after it."""
-        samples = self._pool_samples(shard_docs, pool, shard_draws(self.seed, self.epoch, shard, num_shards),
-                                     partial, specs)
-        return samples, list(itertools.islice(samples, block_size))
-
-    def _samples(self, shard, num_shards, shard_docs, position):
-        """The samples of a shard from `position` (its cursor, updated in place) on: first its share of
-        a resize's leftover, then the pool's samples in blocks of --shuffle-block, each block in a
-        random order.
-
-        The pool mixes documents (a batch holds samples of many) and keeps the mixture the same
-        all epoch (draws proportional to what each open document has left), but gives each
-        document's samples in the order of its text; the block shuffles them. Both matter on a
-        corpus of few long documents (the pydoc topics alone, 27 epochs in 1,200 steps: the pool
-        alone ends 0.06 nats worse than pool + block, BENCHMARKS section 11); a shuffle of the
-        documents' text cut into windows in the epoch's document order instead ends 0.14 worse.
-        The next block is built one sample per sample used of this one, so a worker's work stays
-        even (a block built at once would stall the trainer at every block); memory: two blocks
-        (measured +40 MB at --max-seq-len 128), and the first is built before its first sample is
-        used (0.2 s on builtin, warm cache)."""
-        resume = self.resume or {}
-        share, opened = resume.get("leftover", [])[shard::num_shards], {}
-        last_use = {doc_id: i for i, spec in enumerate(share) for doc_id, _, _ in spec}
-        for i in range(position["leftover_used"], len(share)):
-            position["leftover_used"] = i + 1
-            yield self._from_spec(share[i], opened)
-            for doc_id, _, _ in share[i]:  # memory: only the documents still to be used
-                if last_use[doc_id] == i:
-                    opened.pop(doc_id, None)
-        pool, block, block_size = copy.deepcopy(position["pool"]), position["block"], position["block_size"]
-        samples, chunk = self._block(shard, num_shards, shard_docs, pool, resume.get("partial", {}), block_size)
-        while chunk:
-            after = copy.deepcopy(pool)  # where the next block begins
-            order = block_order(len(chunk), self.seed, self.epoch, shard, num_shards, block, self.shuffle)
-            following = []
-            for j in range(position["used"], len(chunk) - 1):
-                following += itertools.islice(samples, 1)
-                position["used"] = j + 1
-                yield chunk[order[j]][0]
-            if position["used"] < len(chunk):  # the block's last sample: the cursor moves to the next block
-                following += itertools.islice(samples, 1)
-                position.update({"pool": after, "block": block + 1, "used": 0})
-                yield chunk[order[-1]][0]
-            following += itertools.islice(samples, block_size - len(following))
-            position.update({"pool": after, "block": block + 1, "used": 0})
-            chunk, block = following, block + 1
-
-    def _reshard(self, state, num_shards):
-        """A state written for state["num_shards"] shards (merged over every rank), for num_shards:
-        what each old shard had not read of its share of 'leftover' and of the block it was reading
-        becomes the new 'leftover' (as specs: the samples themselves, shared round-robin by the new
-        shards, which read them first); the rest of the documents is resharded (reshard_pools).
-        Costs of a resize mid-epoch: every rank rebuilds each old shard's block here (up to
-        --shuffle-block samples each), and the specs (up to old shards x --shuffle-block of them)
-        ride in every checkpoint until the epoch ends."""
-        old_shards = state["num_shards"]
-        docs = shard_documents(self.corpus.doc_bytes(), self.seed, state["epoch"], old_shards, self.shuffle,
-                               np.array(state["exclude"], np.int64) if state["exclude"] else None)
-        self.epoch, self.resume = state["epoch"], state
-        leftover, pools = [], {}
-        for s in range(old_shards):
-            pos = state["positions"].get(str(s)) or fresh_position(self.num_open, len(docs[s]), self.block_size)
-            leftover += state["leftover"][s::old_shards][pos["leftover_used"]:]
-            pools[s] = copy.deepcopy(pos["pool"])
-            if pos["used"]:  # the block it was reading: the rest of it is leftover
-                _, chunk = self._block(s, old_shards, docs[s], pools[s], state["partial"], pos["block_size"], True)
-                order = block_order(len(chunk), self.seed, self.epoch, s, old_shards, pos["block"], self.shuffle)
-                leftover += [chunk[i][1] for i in order[pos["used"]:]]
-        new = reshard_pools(state, pools, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle)
-        return {**new, "leftover": leftover}
 
     def __iter__(self):
         for batch, _ in self.batches():
@@ -1373,9 +1380,12 @@ class BertPretrainStream(IterableDataset):
                         or fresh_position(self.num_open, len(shard_docs), self.block_size))
         if self.cache is not None:
             self.cache.refresh(self.corpus.num_entries)
+        samples = shard_samples(position, resume["leftover"][shard::num_shards], self._from_spec,
+                                lambda pool: self._pool_samples(shard, num_shards, shard_docs, pool, resume["partial"]),
+                                self.seed, self.epoch, shard, num_shards, self.shuffle)
         batch = []
         try:
-            for sample in self._samples(shard, num_shards, shard_docs, position):
+            for sample in samples:
                 batch.append(sample)
                 if len(batch) == self.batch_size:
                     yield self._cursor_batch(batch, shard, position, num_shards)
