@@ -15,8 +15,7 @@ nothing is ever downloaded.
 The layers, one section each, top to bottom, each using only the ones above it:
 1. Reading: a corpus -> numbered documents, each a list of sentences. A one-time offset index
    (cached on disk) says where each document is; documents are read by position when needed, so
-   memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes;
-   for mlm, runs of up to 4 neighbouring documents are read as one (RoBERTa's packing).
+   memory does not grow with the corpus. Long documents are cut into parts of --max-doc-bytes.
    Parquet and Arrow files are read by arrow_corpus.py, the only code that needs pyarrow,
    imported when such a file is met (text and jsonl corpora need neither).
 2. Tokenizer: a WordPiece trained on an evenly spread sample of the corpus (or a folder).
@@ -70,7 +69,6 @@ MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bou
 MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 SHUFFLE_BLOCK = 8192        # default --shuffle-block: samples a worker shuffles together
-JOIN_DOCS = 4               # mlm reads runs of up to this many neighbouring documents as one
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
 PIECE_TOKENS = 1 << 23      # the token cache is written in pieces of about this many tokens (16 MB)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -400,40 +398,14 @@ def _cut_lines(lines):
     return out
 
 
-def _runs(parts, max_doc_bytes):
-    """Where each run of neighbouring documents (Corpus `join`) begins, in the index of all files."""
-    runs, first = [], 0
-    for x in parts:  # a file's index
-        count, size = JOIN_DOCS, 0
-        for i, piece_bytes in enumerate(x["bytes"].tolist()):
-            if count == JOIN_DOCS or size + piece_bytes > max_doc_bytes:
-                runs.append(first + i)
-                count, size = 0, 0
-            count, size = count + 1, size + piece_bytes
-        first += len(x["bytes"])
-    return runs
-
-
 class Corpus:
     """Numbered documents, each a list of sentences, read by position from the corpus files.
 
     `sentences`: records of jsonl/parquet/arrow are split into sentences (for nsp pairs); text
-    files are already one sentence per line. The index has an entry per document, or per part of a
-    long one. `join` (mlm): a document is a run of up to JOIN_DOCS neighbouring entries of a file
-    (fewer where the next would take it past max_doc_bytes; the stream puts a [SEP] between them).
-    State: the index and this process's open files.
-
-    Why runs: RoBERTa's packing fills a sequence from the next document of the corpus, and
-    neighbours in a corpus are often related (a module's docstrings, a book's paragraphs, a
-    site's pages); a window that holds them learns from that context. Drawn from the whole
-    corpus instead, our eval loss on builtin stayed 0.013-0.018 above run_mlm's (which
-    concatenates the corpus in order), and run_mlm with its documents in a random order lost
-    0.03 (BENCHMARKS.md section 11). Runs are counted in documents, not bytes (which differ by
-    format): the same records as text or jsonl give the same runs. They stay short, so shards and
-    the pool stay fine-grained, and within max_doc_bytes, so a worker's memory bound holds."""
+    files are already one sentence per line. State: the index and this process's open files."""
 
     def __init__(self, spec="builtin", split="train", text_field="text", max_doc_bytes=MAX_DOC_BYTES,
-                 sentences=True, language="en", join=False):
+                 sentences=True, language="en"):
         if max_doc_bytes < 1024:
             raise CorpusError(f"--max-doc-bytes must be at least 1024, not {max_doc_bytes}")
         self.text_field, self.max_doc_bytes = text_field, max_doc_bytes
@@ -452,10 +424,8 @@ class Corpus:
                           stacklevel=2)
         self.index = {k: np.concatenate([x[k] for x in parts]) for k in ("start", "end", "part", "bytes")}
         self.index["file"] = np.concatenate([np.full(len(x["start"]), i, np.int32) for i, x in enumerate(parts)])
-        self.runs = np.array(_runs(parts, max_doc_bytes) if join else range(len(self.index["start"])), np.int64)
         if self.num_docs == 0:
             raise CorpusError(f"corpus {', '.join(given)} holds no text")
-        self._doc_bytes = np.add.reduceat(self.index["bytes"], self.runs)
         if sentences and any(f != "text" for f in self.formats):
             self._segmenter()  # fail now, not in a DataLoader worker
             # sentencex splits a language it has no rules for by the English ones, silently: say so
@@ -470,28 +440,24 @@ class Corpus:
 
     @property
     def num_docs(self):
-        return len(self.runs)
+
+        return len(self.index["start"])
 
     def doc_bytes(self):
-        return self._doc_bytes
+        return self.index["bytes"]
 
-    def fingerprint(self, entries=False):
-        """What must be equal on every rank and across a resume: documents, bytes, the offset index
-        (entries: of the index entries, not of mlm's runs of them)."""
+    def fingerprint(self):
+        """What must be equal on every rank and across a resume: documents, bytes, the offset index."""
         digest = hashlib.sha256()
         for key in ("file", "start", "end", "part", "bytes"):
             digest.update(np.ascontiguousarray(self.index[key]).tobytes())
-        if not entries and self.num_docs < self.num_entries:  # runs (mlm) are other documents
-            digest.update(self.runs.tobytes())
-        return {"documents": self.num_entries if entries else self.num_docs, "bytes": int(self.index["bytes"].sum()),
-                "index": digest.hexdigest()[:16]}
+        return {"documents": self.num_docs, "bytes": int(self.doc_bytes().sum()), "index": digest.hexdigest()[:16]}
 
     def identity(self):
-        """This machine's files and reading settings: what a cache of their tokens (per index entry:
-        nsp and mlm share it) is keyed by."""
+        """This machine's files and reading settings: what a cache of their tokens is keyed by."""
         files = [file_identity(p) for p in self.files]
         split = self.sentences and any(f != "text" for f in self.formats)  # text reads the same either way
-        return [files, self.text_field, self.max_doc_bytes, split, self.language, self.fingerprint(entries=True)]
+        return [files, self.text_field, self.max_doc_bytes, split, self.language, self.fingerprint()]
 
     def _segmenter(self):
         try:
@@ -513,34 +479,24 @@ class Corpus:
                 self._open[file_id] = _arrow_corpus(path).open_records(path, fmt, self.text_field)
         return self._open[file_id]
 
-    def _record_text(self, entry):
-        file_id, start, end = int(self.index["file"][entry]), int(self.index["start"][entry]), \
-            int(self.index["end"][entry])
+    def _record_text(self, doc_id):
+        file_id, start, end = int(self.index["file"][doc_id]), int(self.index["start"][doc_id]), \
+            int(self.index["end"][doc_id])
         fmt, handle = self.formats[file_id], self._handle(file_id)
         if fmt == "jsonl":
             handle.seek(start)
             return _json_text(handle.read(end - start), self.files[file_id], "?", self.text_field)
         return _arrow_corpus(self.files[file_id]).record_text(handle, fmt, start, end, self.text_field)
 
-    @property
-    def num_entries(self):
-        return len(self.index["start"])
-
-    def entries(self, doc_id):
-        """The index entries document doc_id is made of (more than one: a run of neighbours, mlm)."""
-        end = self.runs[doc_id + 1] if doc_id + 1 < len(self.runs) else self.num_entries
-        return range(int(self.runs[doc_id]), int(end))
-
-    def read(self, entry):
-        """An index entry's non-blank sentences (text: its lines), long lines cut into pieces: a
-        document, or a part of a long one (without `join` an entry is a document: the same number)."""
-        file_id = int(self.index["file"][entry])
+    def read(self, doc_id):
+        """A document's non-blank sentences (text: its lines), long lines cut into pieces."""
+        file_id = int(self.index["file"][doc_id])
         if self.formats[file_id] == "text":
             f = self._handle(file_id)
-            f.seek(int(self.index["start"][entry]))
-            raw = f.read(int(self.index["end"][entry] - self.index["start"][entry]))
+            f.seek(int(self.index["start"][doc_id]))
+            raw = f.read(int(self.index["end"][doc_id] - self.index["start"][doc_id]))
             return _cut_lines(raw.decode("utf-8", errors="replace").split("\n"))
-        text, part = self._record_text(entry), int(self.index["part"][entry])
+        text, part = self._record_text(doc_id), int(self.index["part"][doc_id])
         if len(text) > self.max_doc_bytes:
             m = self.max_doc_bytes
             lo = _whitespace_after(text, part * m) if part else 0
@@ -555,18 +511,17 @@ class Corpus:
 
 
 def open_corpus(spec, split="train", objective="nsp", text_field="text", max_doc_bytes=MAX_DOC_BYTES, language="en"):
-    """A Corpus read as `objective` needs it: sentences for nsp pairs, lines (and runs of neighbours) for packed mlm."""
+    """A Corpus read as `objective` needs it: sentences for nsp pairs, lines for packed mlm."""
     return spec if isinstance(spec, Corpus) else Corpus(spec, split, text_field, max_doc_bytes,
-                                                        objective == "nsp", language, objective == "mlm")
+                                                        objective == "nsp", language)
 
 
 # ============================================================================= 2. tokenizer
 
 def tokenizer_sample(corpus, sample_bytes):
-    """Index entries (documents or parts of long ones, never mlm's runs: nsp and mlm train the same
-    tokenizer) to train the tokenizer on: all, or a seeded random set spread over the whole corpus
-    (every file) with about sample_bytes of text, in corpus order (files read forward)."""
-    sizes = corpus.index["bytes"]
+    """Documents to train the tokenizer on: all, or a seeded random set spread over the whole
+    corpus (every file) with about sample_bytes of text, in corpus order (files read forward)."""
+    sizes = corpus.doc_bytes()
     if sizes.sum() <= sample_bytes:
         return np.arange(len(sizes))
     order = np.random.default_rng(11).permutation(len(sizes))
@@ -574,14 +529,14 @@ def tokenizer_sample(corpus, sample_bytes):
     return np.sort(order[:take])
 
 
-def train_tokenizer(corpus, entries, vocab_size, out_dir):
+def train_tokenizer(corpus, doc_ids, vocab_size, out_dir):
     """Train a lower-cased BERT WordPiece tokenizer on the given documents, on all cores."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     def batches():
-        for k in range(0, len(entries), 256):
-            yield [s for d in entries[k:k + 256] for s in corpus.read(int(d))]
+        for k in range(0, len(doc_ids), 256):
+            yield [s for d in doc_ids[k:k + 256] for s in corpus.read(int(d))]
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -776,33 +731,17 @@ def token_cache_for(setting, corpus, tokenizer):
     return TokenCache(root, key, len(tokenizer))
 
 
-def entry_tokens(corpus, tokenizer, cache, entry):
-    """(ids, sentence bounds) of an index entry, from the token cache or tokenized (and cached) now."""
+def document_tokens(corpus, tokenizer, cache, doc_id):
+    """(ids, sentence bounds) of a document, from the token cache or tokenized (and cached) now."""
     if cache is not None and cache.where is None:
-        cache.refresh(corpus.num_entries)
-    hit = cache.get(entry) if cache is not None else None
+        cache.refresh(corpus.num_docs)
+    hit = cache.get(doc_id) if cache is not None else None
     if hit is not None:
         return hit
-    ids, bounds = tokenize_lines(tokenizer, corpus.read(entry))
+    ids, bounds = tokenize_lines(tokenizer, corpus.read(doc_id))
     if cache is not None:
-        cache.add(entry, ids, bounds)
+        cache.add(doc_id, ids, bounds)
     return ids, bounds
-
-
-def document_tokens(corpus, tokenizer, cache, doc_id):
-    """(ids, sentence bounds) of a document; of a run of neighbours (mlm) with a [SEP] between
-    them, a sentence of its own."""
-    entries = [entry_tokens(corpus, tokenizer, cache, e) for e in corpus.entries(doc_id)]
-    if len(entries) == 1:
-        return entries[0]
-    ids, bounds = [], [np.zeros(1, np.int64)]
-    for k, (entry_ids, entry_bounds) in enumerate(entries):
-        if k:
-            ids.append(np.array([tokenizer.sep_token_id], np.int32))
-            bounds.append(bounds[-1][-1:] + 1)
-        ids.append(entry_ids.astype(np.int32))
-        bounds.append(entry_bounds[1:] + bounds[-1][-1])
-    return np.concatenate(ids), np.concatenate(bounds)
 
 
 # ============================================================================= 4. samples
@@ -879,9 +818,8 @@ def random_segment_of_lines(tokenizer, lines, frac, target_len):
 
 
 def random_next_segment(corpus, tokenizer, cache, doc_id, frac, target_len):
-    """B of a random next sentence (nsp: a document is an index entry). A cached document is
-    sliced; otherwise only the sentences needed are tokenized (and not cached: they are part of
-    another worker's document)."""
+    """B of a random next sentence. A cached document is sliced; otherwise only the sentences
+    needed are tokenized (and not cached: they are part of another worker's document)."""
     hit = cache.get(doc_id) if cache is not None else None
     if hit is not None and len(hit[1]) > 1:
         b = random_segment(*hit, frac, target_len)
@@ -1210,8 +1148,7 @@ class BertPretrainStream(IterableDataset):
 
     objective 'nsp': original BERT sentence pairs with next-sentence labels;
     objective 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
-    by [SEP] (a document goes on into its corpus neighbours: Corpus `join`), no padding but at the
-    very end of a shard.
+    by [SEP], no padding but at the very end of a shard.
     State: the epoch, the cursor to resume from, what the trainer consumed, the token cache.
     """
 
@@ -1379,7 +1316,7 @@ class BertPretrainStream(IterableDataset):
         position = dict(resume["positions"].get(str(shard))
                         or fresh_position(self.num_open, len(shard_docs), self.block_size))
         if self.cache is not None:
-            self.cache.refresh(self.corpus.num_entries)
+            self.cache.refresh(self.num_docs)
         samples = shard_samples(position, resume["leftover"][shard::num_shards], self._from_spec,
                                 lambda pool: self._pool_samples(shard, num_shards, shard_docs, pool, resume["partial"]),
                                 self.seed, self.epoch, shard, num_shards, self.shuffle)
@@ -1475,8 +1412,7 @@ def add_data_args(parser):
     group.add_argument("--tokenizer-sample-mb", type=number(float, 0, low_open=True), default=TOKENIZER_SAMPLE_MB,
                        help="a trained tokenizer sees at most this much text, spread evenly over the corpus")
     group.add_argument("--objective", default="nsp", choices=["nsp", "mlm"],
-                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style (a "
-                            "document goes on into the next ones of the corpus)")
+                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style")
     group.add_argument("--max-seq-len", type=number(int, 3), default=128,
                        help="tokens per sample, [CLS]/[SEP] included (nsp: at least 5)")
     group.add_argument("--short-seq-prob", type=number(float, 0, 1), default=0.1,
@@ -1527,7 +1463,7 @@ def build_cache(stream):
     """Tokenize every document not yet cached, in batches on all cores (the parent never forks)."""
     if stream.cache is None:
         raise CorpusError("--build-cache needs a token cache: drop --token-cache none")
-    stream.cache.refresh(stream.corpus.num_entries)
+    stream.cache.refresh(stream.num_docs)
     todo = np.flatnonzero(stream.cache.where[:, 0] < 0)
     t0, tokens, batch_docs = time.perf_counter(), 0, 512
     for k in range(0, len(todo), batch_docs):
@@ -1544,7 +1480,7 @@ def build_cache(stream):
     if not stream.cache.writable:
         raise CorpusError(f"--build-cache: nothing could be written to {stream.cache.dir}")
     seconds = time.perf_counter() - t0
-    print(f"token cache: {len(todo):,} documents tokenized ({stream.corpus.num_entries - len(todo):,} were cached), "
+    print(f"token cache: {len(todo):,} documents tokenized ({stream.num_docs - len(todo):,} were cached), "
           f"{tokens:,} tokens in {seconds:.1f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) -> {stream.cache.dir}")
 
 

@@ -276,7 +276,7 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
     else:
         reason = f"--mode {mode}"
     if stream.cache is not None:  # counting from cached ids takes seconds; what it tokenizes is cached
-        stream.cache.refresh(stream.corpus.num_entries)
+        stream.cache.refresh(stream.num_docs)
     try:
         if mode == "exact":
             result = exact_counts(stream, world_size, num_workers, batch_size, accum_steps, epochs, progress)

@@ -783,10 +783,6 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
             fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
                  "or --resume none --overwrite")
         if meta["fingerprint"] != run["fingerprint"]:
-            if meta["fingerprint"] == stream.corpus.fingerprint(entries=True) and not args.allow_corpus_change:
-                fail(f"cannot resume from {path}: it was written by a pretrain_ddp.py that read mlm documents one "
-                     "by one (this one reads runs of neighbours); resume it with that version, or "
-                     "--allow-corpus-change restarts the epoch")
             if not args.allow_corpus_change:
                 fail(f"cannot resume from {path}: the corpus changed (checkpoint {meta['fingerprint']}, now "
                      f"{run['fingerprint']}); --allow-corpus-change restarts the epoch on it, or use another --out-dir")

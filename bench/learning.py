@@ -129,10 +129,9 @@ def corpus_flag(args, split):
 
 
 def split_documents(tok, args, split):
-    """Token ids (no special tokens) of each document of --corpus's split, as pretrain_ddp.py's stream reads them
-    (each one alone: not the runs of neighbours that its mlm stream reads as one)."""
+    """Token ids (no special tokens) of each document of --corpus's split, as pretrain_ddp.py's stream reads them."""
     import data_stream
-    corpus = data_stream.Corpus(corpus_flag(args, split), split, sentences=False)
+    corpus = data_stream.open_corpus(corpus_flag(args, split), split, "mlm")
     return [data_stream.tokenize_lines(tok, corpus.read(d))[0].tolist() for d in range(corpus.num_docs)]
 
 

@@ -53,8 +53,8 @@ def piece_ok(path):
 
 
 def tokenized(stream):
-    """Every index entry's (ids, bounds), tokenized now (the cache holds entries; an mlm document is a run)."""
-    return [ds.tokenize_lines(stream.tokenizer, stream.corpus.read(e)) for e in range(stream.corpus.num_entries)]
+    """Every document's (ids, bounds), tokenized now."""
+    return [ds.tokenize_lines(stream.tokenizer, stream.corpus.read(d)) for d in range(stream.num_docs)]
 
 
 def assert_cache_complete(stream, fresh):
@@ -63,15 +63,15 @@ def assert_cache_complete(stream, fresh):
     paths = pieces(stream.cache)
     assert paths and all(piece_ok(p) for p in paths), [p for p in paths if not piece_ok(p)]
     assert not [p for p in os.listdir(stream.cache.dir) if ".tmp" in p]  # no write left half done
-    stream.cache.refresh(stream.corpus.num_entries)  # the stream consults only what the last refresh found
+    stream.cache.refresh(stream.num_docs)  # document() consults only what the last refresh found
     assert (stream.cache.where[:, 0] >= 0).all()
     real, ds.tokenize_lines = ds.tokenize_lines, no_tokenizing
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # a piece dropped now would be a warning
-            for e, (ids, bounds) in enumerate(fresh):
-                got_ids, got_bounds = stream.cache.get(e)
-                assert np.array_equal(got_ids, ids) and np.array_equal(got_bounds, bounds), e
+            for d, (ids, bounds) in enumerate(fresh):
+                got_ids, got_bounds = stream.document(d)
+                assert np.array_equal(got_ids, ids) and np.array_equal(got_bounds, bounds), d
     finally:
         ds.tokenize_lines = real
     assert not stream.cache.pending
@@ -99,17 +99,6 @@ def test_warm_cache_equals_cold_and_none(corpus, tokenizer, tmp_path, monkeypatc
     assert pieces(warm_stream.cache) == written  # nothing was tokenized, so nothing new was written
     monkeypatch.undo()
     assert_cache_complete(warm_stream, tokenized(warm_stream))
-
-
-def test_nsp_and_mlm_share_the_cache(corpus, tokenizer, tmp_path, monkeypatch):
-    """The cache holds index entries, not mlm's runs of them: a cache filled by an nsp pass (or
-    --build-cache with either objective) serves an mlm run without tokenizing, and the other way round."""
-    nsp = make_stream(corpus, tokenizer, token_cache=str(tmp_path / "tc"), objective="nsp")
-    list(nsp)
-    monkeypatch.setattr(ds, "tokenize_lines", no_tokenizing)
-    mlm = make_stream(corpus, tokenizer, token_cache=str(tmp_path / "tc"), objective="mlm")
-    assert mlm.num_docs < nsp.num_docs and len(list(mlm)) > 10
-    assert mlm.cache.dir == nsp.cache.dir and not mlm.cache.pending
 
 
 @pytest.mark.parametrize("damage", ["truncate", "corrupt"])
