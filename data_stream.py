@@ -1181,6 +1181,7 @@ class BertPretrainStream(IterableDataset):
         self.mask_id, self.vocab_size = tok.mask_token_id, len(tok)
         self.special_table, self.continuation_table, self.random_ids = token_tables(tok)
         self.cache = token_cache_for(token_cache, self.corpus, tok)
+        self._random_b = functools.partial(random_next_segment, self.corpus, self.tokenizer, self.cache)
         self.epoch, self.resume, self._consumed = 0, None, None
 
     def __len__(self):  # DataLoader must not guess; the estimator answers this question
@@ -1266,8 +1267,7 @@ class BertPretrainStream(IterableDataset):
 
     def _nsp_sample(self, units, k):
         """Sample k of a document, from its units (pair_sample)."""
-        random_b = functools.partial(random_next_segment, self.corpus, self.tokenizer, self.cache)
-        return pair_sample(units, k, self.seed, self.epoch, random_b, self.cls_id, self.sep_id,
+        return pair_sample(units, k, self.seed, self.epoch, self._random_b, self.cls_id, self.sep_id,
                            self.max_seq_len - 3)  # room for [CLS] A [SEP] B [SEP]
 
     def _pool_samples(self, shard, num_shards, shard_docs, pool, partial, specs=False):
