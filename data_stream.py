@@ -69,10 +69,11 @@ MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bou
 MAX_DOC_BYTES = 1 << 16     # default --max-doc-bytes: longer documents are read as several parts
 SHUFFLE_DOCS = 256          # default --shuffle-docs: documents a worker keeps open to draw from
 SHUFFLE_BLOCK = 8192        # default --shuffle-block: samples a worker shuffles together
+FIRST_BLOCK = 32            # a shard's first block; each next one is twice as big, up to --shuffle-block
 TOKENIZER_SAMPLE_MB = 100   # default --tokenizer-sample-mb: text the WordPiece is trained on
 PIECE_TOKENS = 1 << 23      # the token cache is written in pieces of about this many tokens (16 MB)
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-INDEX_VERSION, CACHE_VERSION = 2, 1  # bump when the index or cache layout changes
+INDEX_VERSION, CACHE_VERSION = 3, 1  # bump when the index or cache layout changes
 
 
 class CorpusError(Exception):
@@ -275,10 +276,11 @@ def _text_parts(text_lengths, max_doc_bytes):
 
 def _index_text(path, max_doc_bytes):
     """BERT format: (start, end) byte offsets of documents; long documents cut at a line, long
-    lines at a UTF-8 character boundary. Returns starts, ends, and the count of non-UTF-8 lines."""
-    starts, ends, bad_lines = [], [], 0
+    lines at a UTF-8 character boundary. Returns starts, ends, characters (without the document's
+    last newline: what the same sentences joined into a record hold) and the count of non-UTF-8 lines."""
+    starts, ends, chars, bad_lines = [], [], [], 0
     with open(path, "rb") as f:
-        pos, doc_start = 0, None
+        pos, doc_start, doc_chars = 0, None, 0
         while True:
             line = f.readline(MAX_LINE_BYTES)
             if not line:
@@ -292,23 +294,24 @@ def _index_text(path, max_doc_bytes):
                     f.seek(pos + k)
             if line.strip():
                 try:
-                    line.decode("utf-8")
+                    length = len(line.decode("utf-8"))
                 except UnicodeDecodeError:
-                    bad_lines += 1
+                    bad_lines, length = bad_lines + 1, len(line)
                 if doc_start is None:
                     doc_start = pos
                 elif pos - doc_start >= max_doc_bytes:
-                    starts.append(doc_start), ends.append(pos)
-                    doc_start = pos
+                    starts.append(doc_start), ends.append(pos), chars.append(doc_chars - 1)
+                    doc_start, doc_chars = pos, 0
+                doc_chars += length
             elif doc_start is not None:
-                starts.append(doc_start), ends.append(pos)
-                doc_start = None
+                starts.append(doc_start), ends.append(pos), chars.append(doc_chars - 1)
+                doc_start, doc_chars = None, 0
             pos += len(line)
         if doc_start is not None:
-            starts.append(doc_start), ends.append(pos)
+            starts.append(doc_start), ends.append(pos), chars.append(doc_chars - 1)
     starts, ends = np.array(starts, np.int64), np.array(ends, np.int64)
     return {"start": starts, "end": ends, "part": np.zeros(len(starts), np.int32), "bytes": ends - starts,
-            "bad": bad_lines, "empty": 0}
+            "chars": np.maximum(np.array(chars, np.int64), 1), "bad": bad_lines, "empty": 0}
 
 
 def _json_text(line, path, line_no, text_field):
@@ -347,15 +350,15 @@ def _index_jsonl(path, text_field, max_doc_bytes, name):
             pos += len(line)
     record, part, size = _text_parts(lengths, max_doc_bytes)
     return {"start": np.array(starts, np.int64)[record], "end": np.array(ends, np.int64)[record],
-            "part": part.astype(np.int32), "bytes": size, "bad": bad, "empty": empty}
+            "part": part.astype(np.int32), "bytes": size, "chars": size, "bad": bad, "empty": empty}
 
 
 def _index_records(path, fmt, text_field, max_doc_bytes):
     """parquet: (row group, row) per record; arrow: (0, row) (arrow_corpus.py reads them)."""
     group, row, lengths, empty = _arrow_corpus(path).index_records(path, fmt, text_field, CorpusError)
     record, part, size = _text_parts(lengths, max_doc_bytes)
-    return {"start": group[record], "end": row[record], "part": part.astype(np.int32), "bytes": size, "bad": 0,
-            "empty": empty}
+    return {"start": group[record], "end": row[record], "part": part.astype(np.int32), "bytes": size,
+            "chars": size, "bad": 0, "empty": empty}
 
 
 def _index_file(path, fmt, text_field, max_doc_bytes, name):
@@ -422,7 +425,7 @@ class Corpus:
         if empty:
             warnings.warn(f"corpus: {empty} record(s) with empty or missing {text_field!r} were skipped",
                           stacklevel=2)
-        self.index = {k: np.concatenate([x[k] for x in parts]) for k in ("start", "end", "part", "bytes")}
+        self.index = {k: np.concatenate([x[k] for x in parts]) for k in ("start", "end", "part", "bytes", "chars")}
         self.index["file"] = np.concatenate([np.full(len(x["start"]), i, np.int32) for i, x in enumerate(parts)])
         if self.num_docs == 0:
             raise CorpusError(f"corpus {', '.join(given)} holds no text")
@@ -884,23 +887,42 @@ def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_id
     return labels
 
 
-def collate(samples, cursor, pad_id, max_seq_len, mask, nsp):
+def pack_rows(lengths, width):
+    """First-fit decreasing: the (row, offset) of each sample in rows of `width` tokens (rows from 0 on)."""
+    rows, offsets, free = (np.zeros(len(lengths), np.int64) for _ in range(3))
+    free += width
+    for i in np.argsort(-lengths, kind="stable"):
+        rows[i] = row = int(np.argmax(free >= lengths[i]))  # the first row with room: an empty one at worst
+        offsets[i], free[row] = width - free[row], free[row] - lengths[i]
+    return rows, offsets
+
+
+def collate(samples, cursor, pad_id, max_seq_len, mask, nsp, pack=False):
     """(ids, draws, doc ids, type_start, nsp label) samples -> a batch of tensors; mask(ids, draws)
-    masks the padded ids in place and returns the labels (mask_batch)."""
-    # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
+    masks the padded ids in place and returns the labels (mask_batch). pack: samples share rows
+    (pack_rows), each with its own 'position_ids' (from 0) and 'sequence_ids' (its number in the
+    batch, -1 on padding), and 'cls_pos' says where each sample's [CLS] is in the flattened rows: a
+    model must let a token attend only to tokens of its own sequence (pretrain_ddp.py does; a stock
+    Hugging Face model reading only 'attention_mask' would mix the samples of a row)."""
     lengths = np.array([len(s[0]) for s in samples])
-    width = min(max_seq_len, -(-int(lengths.max()) // 8) * 8)
-    ids = np.full((len(samples), width), pad_id, np.int64)
-    draws = np.ones((3, len(samples), width), np.float32)  # 1.0: never chosen
-    types = np.zeros((len(samples), width), np.int64)
-    for row, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
-        ids[row, :lengths[row]] = sample_ids
-        draws[:, row, :lengths[row]] = sample_draws
-        types[row, type_start:lengths[row]] = 1
+    rows, offsets = pack_rows(lengths, max_seq_len) if pack else (np.arange(len(samples)), np.zeros_like(lengths))
+    # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
+    width = min(max_seq_len, -(-int((offsets + lengths).max()) // 8) * 8)
+    shape = (int(rows.max()) + 1, width)
+    ids, types, positions = np.full(shape, pad_id, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
+    draws, sequence = np.ones((3, *shape), np.float32), np.full(shape, -1, np.int64)  # draws 1.0: never chosen
+    for i, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
+        row, cols = rows[i], slice(offsets[i], offsets[i] + lengths[i])
+        ids[row, cols], draws[:, row, cols], sequence[row, cols] = sample_ids, sample_draws, i
+        types[row, offsets[i] + type_start:cols.stop] = 1
+        positions[row, cols] = np.arange(lengths[i])
     labels = mask(ids, draws)
-    attention = (np.arange(width) < lengths[:, None]).astype(np.int64)
     batch = {"input_ids": torch.from_numpy(ids), "token_type_ids": torch.from_numpy(types),
-             "attention_mask": torch.from_numpy(attention), "labels": torch.from_numpy(labels), "cursor": cursor}
+             "attention_mask": torch.from_numpy((sequence >= 0).astype(np.int64)), "labels": torch.from_numpy(labels),
+             "cursor": cursor}
+    if pack:
+        batch.update(position_ids=torch.from_numpy(positions), sequence_ids=torch.from_numpy(sequence),
+                     cls_pos=torch.from_numpy(rows * width + offsets))
     if nsp:
         batch["next_sentence_label"] = torch.tensor([s[4] for s in samples], dtype=torch.long)
     return batch
@@ -924,7 +946,7 @@ def shard_documents(doc_bytes, seed, epoch, num_shards, shuffle=True, exclude=No
 def pool_start(num_open, shard_size):
     """The pool's cursor before a shard's first sample: the first num_open documents open, none read."""
     k = min(num_open, shard_size)
-    return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k}
+    return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k, "size": [-1] * k}
 
 
 def fresh_position(num_open, shard_size, block_size):
@@ -991,52 +1013,53 @@ def shard_draws(seed, epoch, shard, num_shards):
     return draw
 
 
-def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, partial):
+def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, partial, guess):
     """Units of one shard, each from an open document drawn with probability proportional to
     the draws it has left: open_units(doc_id) -> a document's units, take(units, k) -> (unit,
     next k) takes what follows index k of them (one draw), size(units) is where they end, per_draw
-    the units a draw takes at most; draw(n) is the shard's n-th uniform number (shard_draws) and
-    `partial` how far documents were read before a resize (reshard_state). `position` (the
-    cursor) is updated in place: which shard documents are open ('open': places in the shard, -1
-    once none is left), how far each is read ('taken'), the next place to open, the draws made.
+    the units a draw takes at most, guess(doc_id) the draws of a document not read yet (from the
+    index); draw(n) is the shard's n-th uniform number (shard_draws) and `partial` how far documents
+    were read before a resize (reshard_state). `position` (the cursor) is updated in place: which
+    shard documents are open ('open': places in the shard, -1 once none is left), how far each is
+    read ('taken'), its units once read ('size', -1 before), the next place to open, the draws made.
 
     Weighted, not uniform, so the pool drains evenly: each open document loses the same share
     of what it has left per draw, and a batch mixes documents alike from the first quarter of
     the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
-    first and ends every shard on its few longest ones). The weights are a pure function of the
-    cursor (and the corpus): a resume draws the same documents. A document is read when it
-    enters the pool, to be weighed (memory stays --shuffle-docs documents; the first
-    batch of a shard waits for them: 0.15-0.2 s on builtin, up to --shuffle-docs x
-    --max-doc-bytes of text to tokenize without the token cache). A size from the index would
-    differ by format (a text file counts each document's last newline): the same records as text
-    or as jsonl would be drawn in another order."""
-    opened, taken = position["open"], position["taken"]
+    first and ends every shard on its few longest ones). A document is read when it is first
+    drawn, so the first batch waits for the documents it holds, not for --shuffle-docs of them
+    (30 books: 1 s, not 14 s); until then its weight is guessed from its length in the index
+    (the same for every format), then it is its units left, kept in the cursor: the weights are
+    a pure function of the cursor and the corpus, and a resume draws the same documents."""
+    opened, taken, sizes = position["open"], position["taken"], position["size"]
     live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
 
     def weight(slot):
         """The draws left in a slot (0: closed; an empty document 1, so that a draw replaces it)."""
         if opened[slot] < 0:
             return 0
-        if slot not in live:
-            doc_id = int(shard_docs[opened[slot]])
-            live[slot] = open_units(doc_id)
-            # a document partly read before a resize goes on from where it stopped
-            taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
-        return max(-(-(size(live[slot]) - taken[slot]) // per_draw), 1)
+        if sizes[slot] < 0:
+            return guess(int(shard_docs[opened[slot]]))
+        return max(-(-(sizes[slot] - taken[slot]) // per_draw), 1)
 
     weights = np.array([weight(s) for s in range(len(opened))], np.int64)
     while weights.any():
         cum = np.cumsum(weights)
         slot = int(np.searchsorted(cum, draw(position["draw"]) * cum[-1], side="right"))
-        units, k = live[slot], taken[slot]
-        end = size(units)
+        if slot not in live:
+            doc_id = int(shard_docs[opened[slot]])
+            live[slot] = open_units(doc_id)
+            sizes[slot] = size(live[slot])
+            # a document partly read before a resize goes on from where it stopped
+            taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
+        units, k, end = live[slot], taken[slot], sizes[slot]
         if k < end:  # else an empty document: replaced, and the same draw used again
             unit, taken[slot] = take(units, k)
             position["draw"] += 1
         if taken[slot] >= end:
             del live[slot]
             if position["next"] < len(shard_docs):
-                opened[slot], taken[slot] = position["next"], 0
+                opened[slot], taken[slot], sizes[slot] = position["next"], 0, -1
                 position["next"] += 1
             else:
                 opened[slot] = -1
@@ -1045,7 +1068,7 @@ def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, par
             yield unit
 
 
-def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_id, sep_id, specs):
+def packed_windows(shard_docs, position, draw, open_units, partial, guess, width, cls_id, sep_id, specs):
     """The mlm samples of a shard, each with its parts ([doc_id, from, to]; None unless `specs`): a window of `width`
     tokens is filled from a drawn document up to the window's end or the document's (its [SEP]),
     then from the next drawn one: documents change only at a [SEP], every window ends at a draw
@@ -1060,7 +1083,8 @@ def packed_windows(shard_docs, position, draw, open_units, partial, width, cls_i
     def window():  # the sample, and what it is made of ([doc_id, from, to] per part)
         return packed_window(parts, cls_id, sep_id), [[p[2], p[3], p[4]] for p in parts] if specs else None
 
-    for part in draw_units(shard_docs, position, draw, open_units, take, lambda units: len(units[0]), width, partial):
+    for part in draw_units(shard_docs, position, draw, open_units, take, lambda units: len(units[0]), width, partial,
+                           guess):
         parts.append(part)
         need[0] -= len(part[0])
         if need[0] == 0:
@@ -1082,10 +1106,12 @@ def shard_samples(position, leftover, rebuild, samples_from, seed, epoch, shard,
     corpus of few long documents (the pydoc topics alone, 27 epochs in 1,200 steps: the pool
     alone ends 0.06 nats worse than pool + block, BENCHMARKS section 11); a shuffle of the
     documents' text cut into windows in the epoch's document order instead ends 0.14 worse.
-    The next block is built one sample per sample used of this one, so a worker's work stays
-    even (a block built at once would stall the trainer at every block); memory: two blocks
-    (measured +40 MB at --max-seq-len 128), and the first is built before its first sample is
-    used (0.2 s on builtin, warm cache)."""
+    The next block is built one sample per sample used of this one, so a worker's work stays even
+    (a block built at once would stall the trainer at every block); memory: two blocks (measured
+    +40 MB at --max-seq-len 128). Blocks grow from FIRST_BLOCK samples to --shuffle-block
+    (block_length), so the first batch waits for the few documents it holds, not for a block of
+    8,192 samples (on 30 books: 1 s, not 14 s); the rest of a block twice as big as the one read
+    is built at its end, eight times an epoch, and the second block after the first is read."""
     opened = {}
     last_use = {doc_id: i for i, spec in enumerate(leftover) for doc_id, _, _ in spec}
     for i in range(position["leftover_used"], len(leftover)):
@@ -1096,22 +1122,27 @@ def shard_samples(position, leftover, rebuild, samples_from, seed, epoch, shard,
                 opened.pop(doc_id, None)
     pool, block, block_size = copy.deepcopy(position["pool"]), position["block"], position["block_size"]
     samples = samples_from(pool)
-    chunk = list(itertools.islice(samples, block_size))
+    chunk = list(itertools.islice(samples, block_length(block, block_size)))
     while chunk:
         after = copy.deepcopy(pool)  # where the next block begins
         order = block_order(len(chunk), seed, epoch, shard, num_shards, block, shuffle)
-        following = []
+        following, size = [], block_length(block + 1, block_size)
         for j in range(position["used"], len(chunk) - 1):
-            following += itertools.islice(samples, 1)
+            following += itertools.islice(samples, 1 if block else 0)  # the first batch: its own samples only
             position["used"] = j + 1
             yield chunk[order[j]][0]
         if position["used"] < len(chunk):  # the block's last sample: the cursor moves to the next block
             following += itertools.islice(samples, 1)
             position.update({"pool": after, "block": block + 1, "used": 0})
             yield chunk[order[-1]][0]
-        following += itertools.islice(samples, block_size - len(following))
+        following += itertools.islice(samples, size - len(following))
         position.update({"pool": after, "block": block + 1, "used": 0})
         chunk, block = following, block + 1
+
+
+def block_length(block, block_size):
+    """Samples in block number `block` of a shard: FIRST_BLOCK, doubling up to --shuffle-block."""
+    return min(block_size, FIRST_BLOCK << min(block, 40))
 
 
 def reshard_state(state, num_shards, doc_bytes, seed, shuffle, num_open, block_size, pool_samples):
@@ -1134,7 +1165,7 @@ def reshard_state(state, num_shards, doc_bytes, seed, shuffle, num_open, block_s
         pools[s] = copy.deepcopy(pos["pool"])
         if pos["used"]:  # the block it was reading: the rest of it is leftover
             samples = pool_samples(s, old_shards, docs[s], pools[s], state["partial"], True)
-            chunk = list(itertools.islice(samples, pos["block_size"]))
+            chunk = list(itertools.islice(samples, block_length(pos["block"], pos["block_size"])))
             order = block_order(len(chunk), seed, state["epoch"], s, old_shards, pos["block"], shuffle)
             leftover += [chunk[i][1] for i in order[pos["used"]:]]
     new = reshard_pools(state, pools, num_shards, doc_bytes, seed, shuffle)
@@ -1146,7 +1177,8 @@ def reshard_state(state, num_shards, doc_bytes, seed, shuffle, num_open, block_s
 class BertPretrainStream(IterableDataset):
     """Batches (dicts of tensors) of BERT pretraining samples, one shard per (rank, worker).
 
-    objective 'nsp': original BERT sentence pairs with next-sentence labels;
+    objective 'nsp': original BERT sentence pairs with next-sentence labels (pack_pairs: several
+    pairs a row, see collate);
     objective 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
     by [SEP], no padding but at the very end of a shard.
     State: the epoch, the cursor to resume from, what the trainer consumed, the token cache.
@@ -1156,7 +1188,7 @@ class BertPretrainStream(IterableDataset):
                  max_seq_len=128, batch_size=32, mask_prob=0.15, short_seq_prob=0.1, seed=0,
                  rank=None, world_size=None, shuffle=True, vocab_size=8192, text_field="text",
                  max_doc_bytes=MAX_DOC_BYTES, shuffle_docs=SHUFFLE_DOCS, shuffle_block=SHUFFLE_BLOCK,
-                 whole_word_mask=False, token_cache="auto", language="en"):
+                 whole_word_mask=False, token_cache="auto", language="en", pack_pairs=False):
         if objective not in ("nsp", "mlm"):
             raise CorpusError(f"--objective must be nsp or mlm, not {objective!r}")
         if max_seq_len < (5 if objective == "nsp" else 3):
@@ -1169,7 +1201,7 @@ class BertPretrainStream(IterableDataset):
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, vocab_size)
         self.objective, self.max_seq_len, self.batch_size = objective, max_seq_len, batch_size
         self.mask_prob, self.short_seq_prob, self.seed, self.shuffle = mask_prob, short_seq_prob, seed, shuffle
-        self.whole_word_mask = whole_word_mask
+        self.whole_word_mask, self.pack_pairs = whole_word_mask, pack_pairs and objective == "nsp"
         self.num_open = shuffle_docs if shuffle else 1  # an unshuffled stream reads documents in order
         self.block_size = shuffle_block
         if rank is None:
@@ -1223,7 +1255,7 @@ class BertPretrainStream(IterableDataset):
         written with) continues after what `state` says was consumed, also when the number of
         shards (ranks x workers) changed: then `state` must be merge_states() of every rank's."""
         state = {**empty_state(state["epoch"]), **copy.deepcopy(state)}
-        if any("pool" not in pos for pos in state["positions"].values()):
+        if any("size" not in pos.get("pool", {}) for pos in state["positions"].values()):
             raise CorpusError("the checkpoint's data cursor was written by an older data_stream.py (another sample "
                               "order): resume it with that version, or start the epoch again (--resume none)")
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
@@ -1281,9 +1313,14 @@ class BertPretrainStream(IterableDataset):
             return draw_units(shard_docs, pool, draw, self._units,
                               lambda units, k: ((self._nsp_sample(units, k), [[units[0], k, k + 1]] if specs else None),
                                                 k + 1),
-                              lambda units: len(units[4]), 1, partial)
-        return packed_windows(shard_docs, pool, draw, self._units, partial, self.max_seq_len - 2,
+                              lambda units: len(units[4]), 1, partial, self._guess)
+        return packed_windows(shard_docs, pool, draw, self._units, partial, self._guess, self.max_seq_len - 2,
                               self.cls_id, self.sep_id, specs)
+
+    def _guess(self, doc_id):
+        """The draws of a document not read yet, from its characters in the index (~4 a token); the
+        pool's weight until its first draw reads it."""
+        return 1 + int(self.corpus.index["chars"][doc_id]) // (4 * (self.max_seq_len - 2))
 
     def _from_spec(self, spec, opened):
         """The sample a spec describes (a resize's leftover); opened: doc_id -> units, filled here."""
@@ -1329,13 +1366,19 @@ class BertPretrainStream(IterableDataset):
                     batch = []
             if batch:
                 yield self._cursor_batch(batch, shard, position, num_shards)
-        finally:
-            self.flush_cache()
+        except GeneratorExit:  # a loop left early: keep what was tokenized
+            try:
+                self.flush_cache()
+            except Exception:  # the generator collected at interpreter exit, numpy gone: only a cache is lost
+                pass
+            raise
+        self.flush_cache()
 
     def _cursor_batch(self, samples, shard, position, num_shards):
         """A batch of tensors (masked now: new masks every epoch) with the cursor after its last sample."""
         cursor = (shard, dict(position), num_shards)  # position["pool"] is replaced, never changed
-        return collate(samples, cursor, self.pad_id, self.max_seq_len, self._mask, self.objective == "nsp"), \
+        return collate(samples, cursor, self.pad_id, self.max_seq_len, self._mask, self.objective == "nsp",
+                       self.pack_pairs), \
             [s[2] for s in samples]
 
     def _mask(self, ids, draws):
@@ -1421,6 +1464,10 @@ def add_data_args(parser):
                        help="fraction of tokens masked for MLM")
     group.add_argument("--whole-word-mask", action="store_true",
                        help="mask all WordPiece pieces of a chosen word together (BERT's whole-word masking)")
+    group.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
+                       help="nsp: sentence pairs share rows of --max-seq-len (first-fit decreasing), each attending "
+                            "only to itself, with its own positions: the same math with far less padding (at 512 "
+                            "tokens 68%% of a row was padding); --no-packing gives each pair a padded row")
     group.add_argument("--shuffle-docs", type=number(int, 1), default=SHUFFLE_DOCS,
                        help="documents each DataLoader worker keeps open and draws samples from (the shuffle); "
                             "worker memory is at most about this x --max-doc-bytes x 5")
@@ -1455,8 +1502,8 @@ def stream_from_args(args, corpus=None, split="train", tokenizer=None, seed=None
                               short_seq_prob=args.short_seq_prob, seed=args.seed if seed is None else seed,
                               rank=rank, world_size=world_size, shuffle=shuffle,
                               shuffle_docs=args.shuffle_docs, shuffle_block=args.shuffle_block,
-                              whole_word_mask=args.whole_word_mask,
-                              token_cache=args.token_cache)
+                              whole_word_mask=args.whole_word_mask, token_cache=args.token_cache,
+                              pack_pairs=args.packing)
 
 
 def build_cache(stream):
@@ -1487,14 +1534,16 @@ def build_cache(stream):
 def show(stream, count):
     shown = 0
     for batch in stream:
-        for row in range(len(batch["input_ids"])):
+        rows = torch.arange(len(batch["input_ids"]))[:, None]
+        sequence = batch.get("sequence_ids", torch.where(batch["attention_mask"].bool(), rows, -1))
+        nsp = batch.get("next_sentence_label")
+        for i in range(int(sequence.max()) + 1):  # the samples, packed several a row or one a row
             if shown == count:
                 return
-            ids = batch["input_ids"][row][batch["attention_mask"][row].bool()]
-            masked = batch["labels"][row][batch["labels"][row] != -100]
-            nsp = batch.get("next_sentence_label")
+            ids, labels = batch["input_ids"][sequence == i], batch["labels"][sequence == i]
+            masked = labels[labels != -100]
             print(f"--- sample {shown}: {len(ids)} tokens, {len(masked)} masked"
-                  + (f", B is {'random' if nsp[row] else 'the continuation'}" if nsp is not None else ""))
+                  + (f", B is {'random' if nsp[i] else 'the continuation'}" if nsp is not None else ""))
             print(stream.tokenizer.decode(ids.tolist()))
             print("  targets:", stream.tokenizer.decode(masked.tolist()))
             shown += 1

@@ -163,11 +163,16 @@ def validate(args):
 # ----------------------------------------------------------------------------- model
 
 class Pretraining(torch.nn.Module):
-    """A Hugging Face BERT whose MLM head runs only at masked positions.
+    """A Hugging Face BERT whose MLM head runs only at masked positions, on rows that may hold
+    several sentence pairs.
 
     The vocabulary projection is most of a small BERT's FLOPs and its logits tensor is huge;
-    at 15% masking, gathering the masked rows first saves ~85% of both. The module tree is
-    the Hugging Face model's, so `self.hf.save_pretrained` output loads anywhere unchanged.
+    at 15% masking, gathering the masked rows first saves ~85% of both. Packed rows (data_stream's
+    collate) carry sequence_ids: a token attends only to the tokens of its own pair (a block-diagonal
+    mask, boolean: SDPA's, which BertModel passes through as given), position_ids restart at 0 for
+    each pair, and the NSP head reads each pair's [CLS] (cls_pos) through the pooler: per pair the
+    same math as a row of its own (checked to 1e-4 in tests). The module tree is the Hugging Face
+    model's, so `self.hf.save_pretrained` output loads anywhere unchanged.
     Returns per-batch sums: (mlm loss, mlm correct, nsp loss, nsp correct).
     """
 
@@ -176,19 +181,31 @@ class Pretraining(torch.nn.Module):
         self.hf = hf_model
 
     def forward(self, input_ids, token_type_ids, masked_pos, masked_targets, attention_mask=None,
-                next_sentence_label=None):
-        out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        hidden = out.last_hidden_state.flatten(0, 1).index_select(0, masked_pos)
-        logits = self.hf.cls.predictions(hidden).float()
+                position_ids=None, sequence_ids=None, cls_pos=None, next_sentence_label=None):
+        logits, nsp_logits = self.logits(input_ids, token_type_ids, masked_pos, attention_mask, position_ids,
+                                         sequence_ids, cls_pos)
         mlm_loss = F.cross_entropy(logits, masked_targets, reduction="sum")
         mlm_correct = (logits.argmax(-1) == masked_targets).sum()
         if next_sentence_label is None:
             zero = mlm_loss.new_zeros(())
             return torch.stack([mlm_loss, mlm_correct.float(), zero, zero])
-        nsp_logits = self.hf.cls.seq_relationship(out.pooler_output).float()
         nsp_loss = F.cross_entropy(nsp_logits, next_sentence_label, reduction="sum")
         nsp_correct = (nsp_logits.argmax(-1) == next_sentence_label).sum()
         return torch.stack([mlm_loss, mlm_correct.float(), nsp_loss, nsp_correct.float()])
+
+    def logits(self, input_ids, token_type_ids, masked_pos, attention_mask=None, position_ids=None,
+               sequence_ids=None, cls_pos=None):
+        """(MLM logits at masked_pos of the flattened rows, NSP logits of the [CLS] at cls_pos or None)."""
+        if sequence_ids is not None:
+            attention_mask = sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]
+        out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
+                           attention_mask=attention_mask)
+        hidden = out.last_hidden_state.flatten(0, 1)
+        logits = self.hf.cls.predictions(hidden.index_select(0, masked_pos)).float()
+        if cls_pos is None:
+            return logits, None
+        pooled = self.hf.bert.pooler(hidden.index_select(0, cls_pos)[:, None])  # the pooler reads position 0
+        return logits, self.hf.cls.seq_relationship(pooled).float()
 
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there);
@@ -284,7 +301,7 @@ def evaluate(model, loader, device, amp_ctx, world_size, nsp):
         batch, counts = prepare(batch, device)
         with amp_ctx:
             sums += model(**batch).double()
-        masked, samples = masked + counts["num_masked"], samples + counts["num_rows"]  # host counts: no copy
+        masked, samples = masked + counts["num_masked"], samples + counts["num_samples"]  # host counts: no copy
 
     sums = torch.cat([sums, torch.tensor([masked, samples], dtype=torch.float64, device=device)])
     if world_size > 1:
@@ -480,14 +497,14 @@ def clock(device):
     return time.perf_counter()
 
 
-def train_flops(config, batch):
-    """Training FLOPs of one micro-batch (forward + backward = 3x forward), counted from shapes."""
+def train_flops(config, counts):
+    """Training FLOPs of the real work of one micro-batch (forward + backward = 3x forward): of its
+    tokens, not its padding, and of attention within each sample (MFU counts what was worth computing)."""
     layers, hidden, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
-    rows, width = batch["input_ids"].shape
     per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * config.intermediate_size)
-    attention = 2 * layers * 2 * width * hidden  # QK^T and AV, per token
-    head = 2 * (hidden * hidden + hidden * vocab) * len(batch["masked_pos"])
-    return 3 * (rows * width * (per_token + attention) + head)
+    attention = 2 * layers * 2 * hidden * counts["num_attended"]  # QK^T and AV over (query, key) pairs
+    head = 2 * (hidden * hidden + hidden * vocab) * counts["num_masked"]
+    return 3 * (counts["num_tokens"] * per_token + attention + head)
 
 
 # Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32).
@@ -1252,7 +1269,7 @@ def new_meter(device, amp_dtype, progress):
     and STEADY_AFTER steps. Rates count this run only, from its start (step, tokens, flops)."""
     return {"interval": new_interval(), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
             "start": (progress["step"], progress["tokens_seen"], progress["flops_done"]), "marks": {},
-            "paused": 0.0, "data_wait": 0.0,
+            "paused": 0.0, "data_wait": 0.0, "computed": 0,
             "overflow_skips": torch.zeros((), dtype=torch.int64, device=device)}  # fp16: read at the end
 
 
@@ -1262,8 +1279,10 @@ def new_interval():
 
 
 def count_step(meter, progress, sums, skipped, lr, totals):
-    """Count a step done: totals are its global (masked, samples, tokens, flops); sums its loss sums."""
-    masked, samples, tokens, flops = totals
+    """Count a step done: totals are its global (masked, samples, tokens, flops, positions computed);
+    sums its loss sums."""
+    masked, samples, tokens, flops, computed = totals
+    meter["computed"] += computed
     if skipped is not None:
         meter["overflow_skips"] += skipped
     progress["step"] += 1
@@ -1346,15 +1365,17 @@ def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, s
                    world_size) if mark and step > mark[1] else overall
     eta_h = total_steps / steady["steps_per_hour"] if steady["steps_per_hour"] else float("nan")
     wait_share = meter["data_wait"] / max(train_clock - meter["t_start"], 1e-9)
+    padding = 1 - (tokens_seen - start[1]) / max(meter["computed"], 1)
     print(f"per-rank batch {args.batch_size} x {world_size} ranks, accumulation {args.accum_steps}, "
-          f"effective batch {effective}, max seq len {args.max_seq_len}")
+          f"effective batch {effective}, max seq len {args.max_seq_len}; padding {padding:.1%} of the positions "
+          "computed" + (" (pairs packed into rows)" if args.objective == "nsp" and args.packing else ""))
     print(f"iterations {step - start[0]}, time taken {elapsed:.1f} s; steady rates "
           + (f"from step {mark[1]} on" if steady is not overall else "(too few steps: the overall ones)")
           + f", without eval and saves: micro-batches/hour {steady['steps_per_hour'] * args.accum_steps:,.0f} "
           f"=> effective batches/hour {steady['steps_per_hour']:,.0f}")
     mfu = f"{steady['mfu']:.1%}" if steady["mfu"] is not None else "n/a"
     print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
-          f"{eta_h:.2f} h; {steady['tokens_per_sec']:,.0f} tokens/s, MFU {mfu} "
+          f"{eta_h:.2f} h; {steady['tokens_per_sec']:,.0f} tokens/s, MFU {mfu} (both of the real tokens) "
           f"(overall, start-up included: {overall['tokens_per_sec']:,.0f} tokens/s)")
     print(f"data wait: {wait_share:.1%} of the training time on rank 0 (DataLoader workers per rank: "
           f"{args.num_workers}" + ("; the data is the bottleneck: more --num-workers, or --build-cache first)" if
@@ -1368,6 +1389,7 @@ def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, s
                "samples_seen": progress["samples_seen"], "tokens_seen": tokens_seen,
                **steady, "steady_from_step": mark[1] if steady is not overall else None,
                **{f"{k}_overall": v for k, v in overall.items()}, "data_wait_share": wait_share,
+               "padding_share": padding,
                "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
                "unused_samples_per_epoch": progress["unused_per_epoch"],
                "stopped_by_signal": stopped, "fp16_overflow_skips": skips, "estimate": run["estimate"],
@@ -1490,24 +1512,29 @@ def exit_with(pid):
 def sparse_targets(batch):
     """The DataLoader's collate_fn, so it runs in the worker and its tensors are pinned with the
     rest: masked positions and targets instead of labels, and the attention mask only where a
-    batch has padding. transformers reads a 2-D mask's `.all()` back from the device on every
-    forward (a host sync); no mask (packed mlm) or a 4-D boolean one it takes as given.
+    batch needs one (padding, or packed pairs: their sequence_ids). transformers reads a 2-D mask's
+    `.all()` back from the device on every forward (a host sync); no mask (full mlm windows) or a
+    4-D boolean one it takes as given. Also the batch's host counts (counts_of).
 
     Sizes 0 and 1 are never symbolic in torch.compile (it specialises them): a batch of one row
     (an epoch's last) or with 0-1 masked tokens would compile a graph of its own. So such a batch
-    gets a copy of its row, ignored by both losses (NSP label -100, no masked position in it), and
-    masked positions are padded to two with target -100 (cross_entropy's ignore_index): the losses
-    and gradients are the batch's own, and a run holds two graphs (with and without a mask)."""
-    labels = batch.pop("labels")
-    mask = batch.pop("attention_mask")
-    batch["num_rows"], batch["num_tokens"] = len(labels), int(mask.sum())
+    gets a copy of its row, ignored by both losses (no masked position, no [CLS] read in it), a
+    lone pair a second NSP label -100 (cross_entropy's ignore_index) read at position 0, and masked
+    positions are padded to two with target -100: the losses and gradients are the batch's own, and
+    a run holds two graphs (with and without a mask)."""
+    labels, mask = batch.pop("labels"), batch.pop("attention_mask")
+    batch.update(counts_of(mask, batch.get("sequence_ids"), batch.get("next_sentence_label")))
+    if "next_sentence_label" in batch and "cls_pos" not in batch:  # a pair a row: its [CLS] starts it
+        batch["cls_pos"] = torch.arange(len(labels)) * labels.shape[1]
     if len(labels) == 1:
         labels = torch.cat([labels, torch.full_like(labels, -100)])
         mask = torch.cat([mask, mask])
-        for name in ("input_ids", "token_type_ids"):
-            batch[name] = torch.cat([batch[name], batch[name]])
-        if "next_sentence_label" in batch:
-            batch["next_sentence_label"] = torch.cat([batch["next_sentence_label"], torch.tensor([-100])])
+        for name in ("input_ids", "token_type_ids", "position_ids", "sequence_ids"):
+            if name in batch:
+                batch[name] = torch.cat([batch[name], batch[name]])
+    if "next_sentence_label" in batch and len(batch["cls_pos"]) == 1:
+        batch["next_sentence_label"] = torch.cat([batch["next_sentence_label"], torch.tensor([-100])])
+        batch["cls_pos"] = torch.cat([batch["cls_pos"], torch.zeros(1, dtype=torch.long)])
     labels = labels.flatten()
     masked_pos = (labels != -100).nonzero().squeeze(1)
     batch["num_masked"] = len(masked_pos)
@@ -1516,22 +1543,33 @@ def sparse_targets(batch):
         masked_pos = torch.cat([masked_pos, torch.zeros(2 - len(masked_pos), dtype=masked_pos.dtype)])
         masked_targets = torch.cat([masked_targets, torch.full((2 - len(masked_targets),), -100)])
     batch["masked_pos"], batch["masked_targets"] = masked_pos, masked_targets
-    if batch["num_tokens"] < mask.numel():
+    if "sequence_ids" not in batch and batch["num_tokens"] < mask.numel():
         batch["attention_mask"] = mask.bool()[:, None, None, :]
     return batch
+
+
+def counts_of(mask, sequence_ids, nsp_labels):
+    """What a batch holds, counted on the host: samples (pairs, or mlm rows), real (non-pad) tokens,
+    positions computed (rows x width: with padding) and the attention's (query, key) pairs within a
+    sample, sum of length^2 (for the FLOPs of the real work, not of the padding)."""
+    lengths = mask.sum(1) if sequence_ids is None else torch.bincount(sequence_ids[sequence_ids >= 0])
+    return {"num_samples": len(mask) if nsp_labels is None else len(nsp_labels), "num_tokens": int(lengths.sum()),
+            "num_computed": mask.numel(), "num_attended": int((lengths**2).sum())}
 
 
 # --compile: these sizes change from batch to batch. Marked dynamic, they are symbolic from the first
 # compile on: one graph (two: with and without a mask), not one per new size until dynamo's recompile
 # limit (8) sends the model back to eager.
-DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "attention_mask": (0, 3), "masked_pos": (0,),
-                "masked_targets": (0,), "next_sentence_label": (0,)}
+DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "position_ids": (0, 1), "sequence_ids": (0, 1),
+                "attention_mask": (0, 3), "masked_pos": (0,), "masked_targets": (0,), "next_sentence_label": (0,),
+                "cls_pos": (0,)}
+COUNTS = ("num_samples", "num_masked", "num_tokens", "num_computed", "num_attended")  # host counts (counts_of)
 
 
 def prepare(batch, device, dynamic=False):
     """A batch from the loader on the device (non-blocking: pinned on CUDA); returns it and its
-    host counts {num_rows, num_masked, num_tokens} (real rows, masked and non-pad tokens: no sync)."""
-    counts = {k: batch.pop(k) for k in ("num_rows", "num_masked", "num_tokens")}
+    host counts (COUNTS: known without a sync)."""
+    counts = {k: batch.pop(k) for k in COUNTS}
     on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cursor"}
     for name, dims in DYNAMIC_DIMS.items() if dynamic else ():
         for dim in dims if name in on_device else ():
@@ -1548,27 +1586,28 @@ def start_epoch(stream, epoch, resume_data, num_workers):
 
 
 def next_window(batches, args, device, hf_config, meter):
-    """Up to --accum-steps micro-batches on the device: ([(batch, rows)], their cursors, this rank's
-    [masked, samples, tokens, flops]); the time waited goes to the meter."""
+    """Up to --accum-steps micro-batches on the device: ([(batch, samples)], their cursors, this rank's
+    [masked, samples, tokens, flops, positions computed]); the time waited goes to the meter."""
     t_wait = time.perf_counter()
-    window, cursors, masked, samples, tokens, flops = [], [], 0, 0, 0, 0.0
+    window, cursors, totals = [], [], [0, 0, 0, 0.0, 0]
     for raw in batches:
         cursors.append(raw.pop("cursor"))
         batch, counts = prepare(raw, device, dynamic=args.compile)
-        window.append((batch, counts["num_rows"]))
-        masked, samples = masked + counts["num_masked"], samples + counts["num_rows"]
-        tokens, flops = tokens + counts["num_tokens"], flops + train_flops(hf_config, batch)
+        window.append((batch, counts["num_samples"]))
+        for i, value in enumerate((counts["num_masked"], counts["num_samples"], counts["num_tokens"],
+                                   train_flops(hf_config, counts), counts["num_computed"])):
+            totals[i] += value
         if len(window) == args.accum_steps:
             break
     waited = time.perf_counter() - t_wait
     meter["interval"]["wait"] += waited
     meter["data_wait"] += waited
-    return window, cursors, [masked, samples, tokens, flops]
+    return window, cursors, totals
 
 
 def end_epoch(progress, window, batches):
     """Collective: the epoch ended for all ranks at the same step; count what each rank had to leave."""
-    left = sum(rows for _, rows in window) + sum(b["num_rows"] for b in batches)
+    left = sum(samples for _, samples in window) + sum(b["num_samples"] for b in batches)
     progress["unused_per_epoch"].append([unused for _, unused in gather(left)])
     if GROUP["rank"] == 0:
         say(f"epoch {progress['epoch']} ended at step {progress['step']}; samples left unused per rank: "

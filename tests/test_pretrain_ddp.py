@@ -1,6 +1,7 @@
 """pretrain_ddp.py end to end: real processes, real torchrun + gloo on the CPU, each bounded by a
 timeout so that a hang fails the test instead of stalling CI."""
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -529,6 +530,50 @@ def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir, lr_run):
     assert summary(out)["steps"] == 12
 
 
+def pair_keys(batch):
+    """(pair, position in the pair) of each masked position of a batch from sparse_targets."""
+    pos, cls_pos = batch["masked_pos"], batch["cls_pos"]
+    if "sequence_ids" in batch:
+        pair = batch["sequence_ids"].flatten()[pos]
+    else:
+        pair = pos // batch["input_ids"].shape[1]
+    return list(zip(pair.tolist(), (pos - cls_pos[pair]).tolist(), strict=True))
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_packed_pairs_give_each_pair_the_logits_of_its_own_row(corpus, tokenizer, whole_word):
+    """Issue 37: pairs packed several to a row (block-diagonal attention, positions from 0 per pair, NSP
+    from each pair's [CLS]) give, per pair, in eval mode and fp32, the MLM logits at its masked positions
+    and the NSP logits of the same pairs each in a padded row of its own, within 1e-4; the masks and
+    targets are the same too. And packing fills rows: fewer rows than pairs, less padding."""
+    import data_stream
+    torch.manual_seed(0)
+    model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 128, tokenizer.pad_token_id),
+                                       "nsp", 0.1)).eval()
+    streams = [data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=96, batch_size=12, rank=0, world_size=1,
+                                              whole_word_mask=whole_word, pack_pairs=pack, seed=3, short_seq_prob=0.6)
+               for pack in (False, True)]
+    rows = []
+    with torch.no_grad():
+        for plain, packed in itertools.islice(zip(*streams, strict=True), 6):
+            outs = []
+            for raw in (plain, packed):
+                batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"))
+                logits, nsp = model.logits(**{k: v for k, v in batch.items()
+                                              if k not in ("masked_targets", "next_sentence_label")})
+                order = sorted(range(len(logits)), key=pair_keys(batch).__getitem__)
+                outs.append((sorted(pair_keys(batch)), logits[order], batch["masked_targets"][order], nsp,
+                             batch["next_sentence_label"], counts))
+                rows.append(len(batch["input_ids"]))
+            (keys, logits, targets, nsp, labels, counts), (pkeys, plogits, ptargets, pnsp, plabels, pcounts) = outs
+            assert keys == pkeys and torch.equal(targets, ptargets) and torch.equal(labels, plabels)
+            assert torch.allclose(logits, plogits, atol=1e-4) and torch.allclose(nsp, pnsp, atol=1e-4)
+            assert (counts["num_samples"], counts["num_tokens"], counts["num_attended"]) == \
+                   (pcounts["num_samples"], pcounts["num_tokens"], pcounts["num_attended"])
+            assert pcounts["num_computed"] <= counts["num_computed"]
+    assert sum(rows[1::2]) < 0.8 * sum(rows[0::2])  # fewer rows
+
+
 def test_no_host_read_in_a_forward_and_backward():
     """prepare() passes no mask for an unpadded batch and a 4-D boolean one for a padded batch: a
     forward + backward then reads nothing back from the device (a 2-D mask costs one read), and
@@ -572,15 +617,21 @@ def test_no_host_read_in_a_forward_and_backward():
         plain = {**batch, "attention_mask": mask}
         reference, plain_reads = forward_backward(plain)
         assert plain_reads >= 1 and torch.allclose(out, reference, atol=1e-5), (out, reference)
+    # packed pairs: the block-diagonal mask is built on the device from sequence_ids
+    sequence = torch.tensor([[0] * 6 + [1] * 10, [2] * 9 + [-1] * 7, [3] * 16, [4] * 4 + [5] * 12])
+    raw = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": (sequence >= 0).long(),
+           "labels": labels, "position_ids": torch.zeros_like(ids), "sequence_ids": sequence,
+           "next_sentence_label": torch.tensor([0, 1, 0, 1, 1, 0]), "cls_pos": torch.tensor([0, 6, 16, 32, 48, 52])}
+    batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"))
+    assert "attention_mask" not in batch and counts["num_attended"] == 36 + 100 + 81 + 256 + 16 + 144
+    assert forward_backward(batch)[1] == 0
 
 
 @pytest.mark.slow  # dynamo compiles: seconds of work
 def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     """--compile: rows (the last batches of an epoch), masked-token counts and a mask or none vary;
     with the varying sizes marked dynamic dynamo compiles once per mask kind, never per size. Also
-    the edge batches dynamo specialises: one row, and 0 or 1 masked tokens."""
-    import itertools
-
+    the edge batches dynamo specialises: one row, and 0 or 1 masked tokens. Packed pairs: one graph."""
     from torch._dynamo.testing import CompileCounter
 
     import data_stream
@@ -605,8 +656,22 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     for raw in raws:
         batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
         compiled(**batch)[0].backward()
-        kinds.append((counts["num_rows"], counts["num_masked"], "attention_mask" in batch))
+        kinds.append((counts["num_samples"], counts["num_masked"], "attention_mask" in batch))
     assert len(set(kinds)) >= 11 and {mask for *_, mask in kinds} == {True, False}
     assert {1} <= {rows for rows, *_ in kinds} and {0, 1} <= {masked for _, masked, _ in kinds}, kinds
     assert counter.frame_count == 2  # without the marks: 3 here (dynamo's automatic dynamic after a recompile)
+    # packed pairs: rows, width and pairs vary (a lone pair in one row too); every batch has sequence_ids
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter)
+    shapes = set()
+    for batch_size in (8, 5, 1, 3, 16):
+        stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, rank=0,
+                                                world_size=1, pack_pairs=True, short_seq_prob=0.5)
+        for raw in itertools.islice(stream, 2):
+            batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
+            compiled(**batch)[0].backward()
+            shapes.add((tuple(raw["input_ids"].shape), counts["num_samples"]))
+    assert len({rows for (rows, _), _ in shapes}) >= 4 and {1} <= {n for _, n in shapes}, shapes
+    assert counter.frame_count == 1
 
