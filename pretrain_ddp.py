@@ -163,16 +163,19 @@ def validate(args):
 # ----------------------------------------------------------------------------- model
 
 class Pretraining(torch.nn.Module):
-    """A Hugging Face BERT whose MLM head runs only at masked positions, on rows that may hold
-    several sentence pairs.
+    """A Hugging Face BERT that computes only what its heads read, run with its own submodules: the
+    module tree is the Hugging Face model's, so `self.hf.save_pretrained` output loads anywhere unchanged.
 
-    The vocabulary projection is most of a small BERT's FLOPs and its logits tensor is huge;
-    at 15% masking, gathering the masked rows first saves ~85% of both. Packed rows (data_stream's
-    collate) carry sequence_ids: a token attends only to the tokens of its own pair (a block-diagonal
-    mask, boolean: SDPA's, which BertModel passes through as given), position_ids restart at 0 for
-    each pair, and the NSP head reads each pair's [CLS] (cls_pos) through the pooler: per pair the
-    same math as a row of its own (checked to 1e-4 in tests). The module tree is the Hugging Face
-    model's, so `self.hf.save_pretrained` output loads anywhere unchanged.
+    - The MLM head runs only at masked positions: the vocabulary projection is most of a small BERT's
+      FLOPs and its logits tensor is huge; at 15% masking, gathering the masked rows first saves ~85%.
+    - The linear layers, LayerNorms and dropouts of every layer run on the real tokens only
+      (real_pos): padding costs only the attention, which runs in the rows (MosaicBERT's unpadding).
+    - Rows may hold several sentence pairs (data_stream's packing): sequence_ids give a block-diagonal
+      mask (a token attends only to its own pair), position_ids restart at 0 for each pair, and the NSP
+      head reads each pair's [CLS] (cls_pos) through the pooler.
+    - The last layer computes its attention output and feed-forward only for the rows the heads read,
+      masked tokens and [CLS] (MosaicBERT's trick); its keys and values cover every token.
+    Per pair the same math as Hugging Face's BertForPreTraining on a row of its own (tests: 1e-4).
     Returns per-batch sums: (mlm loss, mlm correct, nsp loss, nsp correct).
     """
 
@@ -181,9 +184,9 @@ class Pretraining(torch.nn.Module):
         self.hf = hf_model
 
     def forward(self, input_ids, token_type_ids, masked_pos, masked_targets, attention_mask=None,
-                position_ids=None, sequence_ids=None, cls_pos=None, next_sentence_label=None):
+                position_ids=None, sequence_ids=None, real_pos=None, cls_pos=None, next_sentence_label=None):
         logits, nsp_logits = self.logits(input_ids, token_type_ids, masked_pos, attention_mask, position_ids,
-                                         sequence_ids, cls_pos)
+                                         sequence_ids, real_pos, cls_pos)
         mlm_loss = F.cross_entropy(logits, masked_targets, reduction="sum")
         mlm_correct = (logits.argmax(-1) == masked_targets).sum()
         if next_sentence_label is None:
@@ -194,18 +197,43 @@ class Pretraining(torch.nn.Module):
         return torch.stack([mlm_loss, mlm_correct.float(), nsp_loss, nsp_correct.float()])
 
     def logits(self, input_ids, token_type_ids, masked_pos, attention_mask=None, position_ids=None,
-               sequence_ids=None, cls_pos=None):
-        """(MLM logits at masked_pos of the flattened rows, NSP logits of the [CLS] at cls_pos or None)."""
+               sequence_ids=None, real_pos=None, cls_pos=None):
+        """(MLM logits at masked_pos, NSP logits at cls_pos or None); both index the real tokens in row
+        order (real_pos: where those are in the flattened rows; None: every position is real)."""
+        bert = self.hf.bert
         if sequence_ids is not None:
             attention_mask = sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]
-        out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids,
-                           attention_mask=attention_mask)
-        hidden = out.last_hidden_state.flatten(0, 1)
-        logits = self.hf.cls.predictions(hidden.index_select(0, masked_pos)).float()
+        x = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+        rows = x.shape[:2]
+        x = x.flatten(0, 1) if real_pos is None else x.flatten(0, 1).index_select(0, real_pos)
+        *layers, last = bert.encoder.layer
+        for layer in layers:
+            x = self.layer(layer, x, rows, real_pos, attention_mask)
+        x = self.layer(last, x, rows, real_pos, attention_mask, masked_pos if cls_pos is None else
+                       torch.cat([masked_pos, cls_pos]))
+        logits = self.hf.cls.predictions(x[:len(masked_pos)]).float()
         if cls_pos is None:
             return logits, None
-        pooled = self.hf.bert.pooler(hidden.index_select(0, cls_pos)[:, None])  # the pooler reads position 0
+        pooled = bert.pooler(x[len(masked_pos):, None])  # the pooler reads position 0
         return logits, self.hf.cls.seq_relationship(pooled).float()
+
+    def layer(self, layer, x, rows, real_pos, mask, reads=None):
+        """A BertLayer on the real tokens x (n, hidden), attention in the rows; with reads (indices into
+        x) only those rows come out: the last layer."""
+        att = layer.attention.self
+
+        def in_rows(t):  # (n, hidden) -> (rows, heads, width, head size), zeros at the padding
+            if real_pos is not None:
+                t = t.new_zeros(rows[0] * rows[1], t.shape[1]).index_copy(0, real_pos, t)
+            return t.view(*rows, att.num_attention_heads, att.attention_head_size).transpose(1, 2)
+        a = F.scaled_dot_product_attention(*(in_rows(f(x)) for f in (att.query, att.key, att.value)), attn_mask=mask,
+                                           dropout_p=att.dropout.p if self.training else 0.0)
+        a = a.transpose(1, 2).flatten(2).flatten(0, 1)
+        a = a if real_pos is None else a.index_select(0, real_pos)
+        if reads is not None:
+            a, x = a.index_select(0, reads), x.index_select(0, reads)
+        a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
+        return layer.output(layer.intermediate(a), a)
 
 
 # torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there);
@@ -1543,8 +1571,14 @@ def sparse_targets(batch):
         masked_pos = torch.cat([masked_pos, torch.zeros(2 - len(masked_pos), dtype=masked_pos.dtype)])
         masked_targets = torch.cat([masked_targets, torch.full((2 - len(masked_targets),), -100)])
     batch["masked_pos"], batch["masked_targets"] = masked_pos, masked_targets
-    if "sequence_ids" not in batch and batch["num_tokens"] < mask.numel():
-        batch["attention_mask"] = mask.bool()[:, None, None, :]
+    if batch["num_tokens"] < mask.numel():  # padding: the model computes the real tokens (real_pos) only
+        index = mask.flatten().cumsum(0) - 1  # a real token's place among the real ones
+        batch["real_pos"] = mask.flatten().nonzero().squeeze(1)
+        batch["masked_pos"] = index[masked_pos]
+        if "cls_pos" in batch:
+            batch["cls_pos"] = index[batch["cls_pos"]]
+        if "sequence_ids" not in batch:
+            batch["attention_mask"] = mask.bool()[:, None, None, :]
     return batch
 
 
@@ -1562,7 +1596,7 @@ def counts_of(mask, sequence_ids, nsp_labels):
 # limit (8) sends the model back to eager.
 DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "position_ids": (0, 1), "sequence_ids": (0, 1),
                 "attention_mask": (0, 3), "masked_pos": (0,), "masked_targets": (0,), "next_sentence_label": (0,),
-                "cls_pos": (0,)}
+                "cls_pos": (0,), "real_pos": (0,)}
 COUNTS = ("num_samples", "num_masked", "num_tokens", "num_computed", "num_attended")  # host counts (counts_of)
 
 

@@ -83,22 +83,22 @@ def main():
                                   lr=1e-4, betas=(0.9, 0.98), eps=1e-6, fused=True)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
 
-    def step(batch, masked):
-        P.train_step(model, optimizer, scaler, [batch], masked, len(batch["input_ids"]), 1,
+    def step(batch, counts):
+        P.train_step(model, optimizer, scaler, [batch], counts["num_masked"], counts["num_samples"], 1,
                      contextlib.nullcontext(), 1.0, 1e-4)
 
-    for batch, masked, _ in batches[:args.warmup]:
-        step(batch, masked)
+    for batch, counts in batches[:args.warmup]:
+        step(batch, counts)
     timed = batches[args.warmup:args.warmup + args.steps]
-    flops = sum(P.train_flops(model.hf.config, b) for b, _, _ in timed)
+    flops = sum(P.train_flops(model.hf.config, counts) for _, counts in timed)
     t0 = time.perf_counter()
-    for batch, masked, _ in timed:
-        step(batch, masked)
+    for batch, counts in timed:
+        step(batch, counts)
     seconds = time.perf_counter() - t0
     peak = P.peak_flops(cpu, None)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for batch, masked, _ in batches[args.warmup + args.steps:]:
-            step(batch, masked)
+        for batch, counts in batches[args.warmup + args.steps:]:
+            step(batch, counts)
     by_kind, by_op = collections.Counter(), collections.Counter()
     for event in prof.key_averages():
         by_kind[kind_of(event.key)] += event.self_cpu_time_total

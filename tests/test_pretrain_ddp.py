@@ -531,8 +531,11 @@ def test_a_resume_may_switch_precision(tmp_path, corpus, tok_dir, lr_run):
 
 
 def pair_keys(batch):
-    """(pair, position in the pair) of each masked position of a batch from sparse_targets."""
+    """(pair, position in the pair) of each masked position of a batch from sparse_targets (whose
+    positions count the real tokens: real_pos says where they are in the rows)."""
     pos, cls_pos = batch["masked_pos"], batch["cls_pos"]
+    if "real_pos" in batch:
+        pos, cls_pos = batch["real_pos"][pos], batch["real_pos"][cls_pos]
     if "sequence_ids" in batch:
         pair = batch["sequence_ids"].flatten()[pos]
     else:
@@ -574,10 +577,12 @@ def test_packed_pairs_give_each_pair_the_logits_of_its_own_row(corpus, tokenizer
     assert sum(rows[1::2]) < 0.8 * sum(rows[0::2])  # fewer rows
 
 
-def test_no_host_read_in_a_forward_and_backward():
-    """prepare() passes no mask for an unpadded batch and a 4-D boolean one for a padded batch: a
-    forward + backward then reads nothing back from the device (a 2-D mask costs one read), and
-    the results are those of the 2-D mask."""
+def test_no_host_read_and_the_stock_model_s_math():
+    """prepare() passes no mask for an unpadded batch and a 4-D boolean one for a padded batch (the
+    linear layers see its real tokens only, the last layer's feed-forward only what the heads read):
+    a forward + backward then reads nothing back from the device, and its loss sums are those of
+    Hugging Face's own BertForPreTraining forward with the 2-D mask (which reads the mask back)."""
+    import torch.nn.functional as F
     torch.manual_seed(0)
     model = P.Pretraining(P.model_from(P.new_architecture("tiny", 300, 32, 0), "nsp", 0.0))
     ids = torch.randint(5, 300, (4, 16))
@@ -589,17 +594,27 @@ def test_no_host_read_in_a_forward_and_backward():
             return originals[name](self, *a, **k)
         return read
 
-    def forward_backward(batch):
+    def forward_backward(forward):
         for name in originals:
             setattr(torch.Tensor, name, spy(name))
         reads[0] = 0
         try:
-            out = model(**batch)
+            out = forward()
             out.sum().backward()
         finally:
             for name, f in originals.items():
                 setattr(torch.Tensor, name, f)
         return out.detach(), reads[0]
+
+    def stock(raw):  # the Hugging Face model's own forward, its losses summed as ours
+        out = model.hf(input_ids=raw["input_ids"], token_type_ids=raw["token_type_ids"],
+                       attention_mask=raw["attention_mask"])
+        chosen = raw["labels"] != -100
+        logits, nsp = out.prediction_logits[chosen], out.seq_relationship_logits
+        return torch.stack([F.cross_entropy(logits, raw["labels"][chosen], reduction="sum"),
+                            (logits.argmax(-1) == raw["labels"][chosen]).sum().float(),
+                            F.cross_entropy(nsp, raw["next_sentence_label"], reduction="sum"),
+                            (nsp.argmax(-1) == raw["next_sentence_label"]).sum().float()])
 
     for padded in (False, True):
         mask = torch.ones(4, 16, dtype=torch.long)
@@ -607,16 +622,14 @@ def test_no_host_read_in_a_forward_and_backward():
             mask[1, 10:], mask[3, 5:] = 0, 0
         labels = torch.full((4, 16), -100)
         labels[0, 1], labels[1, 4], labels[2, 2], labels[3, 3] = 7, 8, 9, 10
-        raw = {"input_ids": ids * mask, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask,
-               "labels": labels, "next_sentence_label": torch.tensor([0, 1, 0, 1])}
+        raw = {"input_ids": ids * mask, "token_type_ids": (torch.arange(16) > 7).long().expand(4, -1),
+               "attention_mask": mask, "labels": labels, "next_sentence_label": torch.tensor([0, 1, 0, 1])}
         batch, counts = P.prepare(P.sparse_targets(dict(raw)), torch.device("cpu"))
         assert counts["num_tokens"] == int(mask.sum()) and ("attention_mask" in batch) == padded
-
-        out, n_reads = forward_backward(batch)
+        out, n_reads = forward_backward(lambda batch=batch: model(**batch))
         assert n_reads == 0, (padded, n_reads)
-        plain = {**batch, "attention_mask": mask}
-        reference, plain_reads = forward_backward(plain)
-        assert plain_reads >= 1 and torch.allclose(out, reference, atol=1e-5), (out, reference)
+        reference, stock_reads = forward_backward(lambda raw=raw: stock(raw))
+        assert stock_reads >= 1 and torch.allclose(out, reference, atol=1e-5), (out, reference)
     # packed pairs: the block-diagonal mask is built on the device from sequence_ids
     sequence = torch.tensor([[0] * 6 + [1] * 10, [2] * 9 + [-1] * 7, [3] * 16, [4] * 4 + [5] * 12])
     raw = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": (sequence >= 0).long(),
@@ -624,7 +637,7 @@ def test_no_host_read_in_a_forward_and_backward():
            "next_sentence_label": torch.tensor([0, 1, 0, 1, 1, 0]), "cls_pos": torch.tensor([0, 6, 16, 32, 48, 52])}
     batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"))
     assert "attention_mask" not in batch and counts["num_attended"] == 36 + 100 + 81 + 256 + 16 + 144
-    assert forward_backward(batch)[1] == 0
+    assert forward_backward(lambda: model(**batch))[1] == 0
 
 
 @pytest.mark.slow  # dynamo compiles: seconds of work

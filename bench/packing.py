@@ -1,0 +1,78 @@
+"""
+Real tokens/s of pretrain_ddp.py with one change against without it, A/B in one run (issue 37): packed nsp pairs
+against a padded row per pair, or any other pair of flag sets.
+
+    python bench/packing.py                                      # tiny + mini, 128 + 512, packed vs --no-packing
+    python bench/packing.py --sizes mini --seq-lens 128 --a "" --b "--no-packing" --repeats 3
+
+Each run is `pretrain_ddp.py --objective nsp` on the builtin corpus in a fresh process (its real loop: DataLoader
+worker, collate, train_step), --steps optimizer steps; the numbers are summary.json's steady rates (after step 5,
+without eval and saves): tokens_per_sec and mfu count real tokens only, padding_share is the share of the
+computed positions that were padding. The sides alternate (a, b, b, a, ...), one fresh process each; the ratio
+a / b is given per repeat. A side may run through a wrapper script (--a-script) that changes the trainer before
+its main() (bench/last_layer.py's way to switch a model change that has no flag).
+"""
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def run(args, script, flags, size, seq_len, out_dir):
+    cmd = [sys.executable, script, "--objective", "nsp", "--model-size", size, "--max-seq-len", str(seq_len),
+           "--batch-size", str(args.batch_size), "--max-steps", str(args.steps), "--log-every", "1000",
+           "--log-to", "stdout", "--eval-corpus", "none", "--save-every", "1000000", "--out-dir", out_dir,
+           "--resume", "none", "--overwrite", *shlex.split(flags)]
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        sys.exit(f"pretrain_ddp.py failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
+    with open(os.path.join(out_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+def cells(found, key, fmt):
+    return tuple(" / ".join(fmt.format(s[key] or 0) for s in found[side]) for side in "ab")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--sizes", default="tiny,mini")
+    p.add_argument("--seq-lens", default="128,512")
+    p.add_argument("--a", default="", help="flags of side a (default: the defaults: packed)")
+    p.add_argument("--b", default="--no-packing", help="flags of side b")
+    p.add_argument("--a-script", default=os.path.join(ROOT, "pretrain_ddp.py"))
+    p.add_argument("--b-script", default=os.path.join(ROOT, "pretrain_ddp.py"))
+    p.add_argument("--repeats", type=int, default=2, help="alternating pairs per configuration")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--out-dir", default="/tmp/bert_ddp_bench/packing")
+    args = p.parse_args()
+    sides = {"a": (args.a_script, args.a), "b": (args.b_script, args.b)}
+    print(f"a: {os.path.basename(args.a_script)} {args.a or '(defaults)'}; b: {os.path.basename(args.b_script)} "
+          f"{args.b or '(defaults)'}; batch {args.batch_size}, {args.steps} steps, builtin nsp\n")
+    print("| size | max seq len | a tokens/s | b tokens/s | a / b | padding a / b | MFU a / b |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for size in args.sizes.split(","):
+        for seq_len in [int(x) for x in args.seq_lens.split(",")]:
+            found = {"a": [], "b": []}
+            for repeat in range(args.repeats):
+                for side in ("ab" if repeat % 2 == 0 else "ba"):
+                    script, flags = sides[side]
+                    found[side].append(run(args, script, flags, size, seq_len,
+                                           os.path.join(args.out_dir, f"{size}-{seq_len}-{side}")))
+            ratios = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(found["a"], found["b"], strict=True)]
+            tok_a, tok_b = cells(found, "tokens_per_sec", "{:,.0f}")
+            pad_a, pad_b = cells(found, "padding_share", "{:.0%}")
+            mfu_a, mfu_b = cells(found, "mfu", "{:.1%}")
+            print(f"| {size} | {seq_len} | {tok_a} | {tok_b} | {' / '.join(f'{r:.2f}' for r in ratios)} | "
+                  f"{pad_a} ; {pad_b} | {mfu_a} ; {mfu_b} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
