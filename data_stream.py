@@ -50,19 +50,22 @@ import itertools
 import json
 import locale
 import mmap
+import multiprocessing
 import os
 import re
 import resource
+import select
 import shutil
 import sys
 import sysconfig
+import threading
 import time
 import uuid
 import warnings
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 CACHE_DIR = os.path.expanduser(os.environ.get("BERT_DDP_CACHE", "~/.cache/bert_ddp"))
 MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bounded memory)
@@ -96,6 +99,26 @@ def atomic_write(path, write, mode="wb"):
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def write_error(what, path, error, needed=None):
+    """One line for a write that failed for an OSError (found in the error's context: torch.save reports
+    a full disk as a RuntimeError raised while handling it, safetensors as "(os error 28)"): what, why,
+    the file system, its free space and what was needed. None for an error with no OSError behind it."""
+    while error is not None and not isinstance(error, OSError):
+        code = re.search(r"\(os error (\d+)\)", str(error))  # how Rust libraries (safetensors) say theirs
+        error = OSError(int(code[1]), os.strerror(int(code[1]))) if code else error.__context__
+    if error is None:
+        return None
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    try:
+        free = f"{shutil.disk_usage(mount).free / 1e6:,.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    need = f", about {needed / 1e6:,.0f} MB needed" if needed else ""
+    return f"cannot write {what}: {error.strerror or error} on the file system at {mount} ({free}{need})"
 
 
 @contextlib.contextmanager
@@ -722,7 +745,7 @@ class TokenCache:
             atomic_write(path, lambda f: f.writelines([json.dumps(header).encode() + b"\n", payload]))
         except OSError as e:
             self.writable = False
-            warnings.warn(f"token cache: cannot write {self.dir} ({e}); going on without it", stacklevel=2)
+            warnings.warn(f"token cache: {write_error(self.dir, self.dir, e)}; going on without it", stacklevel=2)
 
 
 def token_cache_for(setting, corpus, tokenizer):
@@ -1384,6 +1407,54 @@ class BertPretrainStream(IterableDataset):
     def _mask(self, ids, draws):
         return mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id, self.random_ids,
                           self.mask_prob, self.whole_word_mask)
+
+
+def make_loader(stream, num_workers, pin_memory, timeout_s, collate_fn=None, persistent=False):
+    """A DataLoader of the stream whose workers come from a forkserver, never forked from this process:
+    a trainer runs threads (gloo, the TensorBoard writer, OpenMP, pin-memory) and a child forked while
+    one holds a lock can hang before its first line (seen: an eval worker, 1 job in 30 under load). The
+    forkserver is a fresh single-threaded interpreter that imports the stream's modules once; a worker
+    then starts in ~0.1 s (BENCHMARKS.md section 14). A worker that sends no batch within timeout_s
+    stops the trainer with DataLoader's error instead of a silent hang."""
+    # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
+    # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # The server imports what a worker unpickles (torch, the stream's and the tokenizer's modules)
+    # once; by default it would preload only __main__, and every worker would import torch itself
+    # (measured: 6-11 s a worker on a loaded 2-core machine, 0.1-0.2 s with these).
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(sorted({"torch", "numpy", type(stream).__module__,
+                                           type(stream.tokenizer).__module__}))
+    # Batches are built inside the workers (batch_size=None): one IPC message per batch.
+    # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
+    return DataLoader(stream, batch_size=None, collate_fn=collate_fn, num_workers=num_workers,
+                      pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
+                      worker_init_fn=functools.partial(quiet_worker, trainer_pid=os.getpid()),
+                      generator=torch.Generator(),
+                      multiprocessing_context=context if num_workers else None,
+                      persistent_workers=persistent and num_workers > 0, timeout=timeout_s if num_workers else 0)
+
+
+def quiet_worker(worker_id, trainer_pid):
+    """Ctrl-C and torchrun's SIGTERM go to a whole process group: a worker leaves it, so the trainer
+    decides when to stop (the DataLoader still ends its workers). A worker also ends when its trainer
+    dies: DataLoader's own check watches the worker's parent, which is the forkserver here, and the
+    forkserver lives as long as its workers do (each holds the fd the server watches), so a SIGKILLed
+    or OOM-killed rank would leave its workers waiting forever, holding memory and its stdout."""
+    os.setpgrp()
+    threading.Thread(target=exit_with, args=(trainer_pid,), daemon=True).start()
+
+
+def exit_with(pid):
+    """End this process once process pid has ended (never returns)."""
+    try:
+        select.select([os.pidfd_open(pid)], [], [])  # Linux 5.3+: readable once pid has exited
+    except (AttributeError, OSError):  # no pidfd here: ask every second
+        with contextlib.suppress(ProcessLookupError):
+            while True:
+                os.kill(pid, 0)
+                time.sleep(1)
+    os._exit(0)
 
 
 # ============================================================================= 7. CLI

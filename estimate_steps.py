@@ -28,6 +28,7 @@ The trainer calls `estimate(stream, ...)` on rank 0 with its own BertPretrainStr
 import argparse
 import json
 import math
+import re
 import sys
 import time
 
@@ -44,6 +45,7 @@ from data_stream import (
 )
 
 WARMUP = 0.06                # default --warmup of this script and of pretrain_ddp.py
+DECAY = 0.2                  # default --decay (wsd: the share of the plan the LR decays over)
 AUTO_EXACT_BYTES = 50_000_000  # auto mode counts exactly below this much text (~1 min of tokenizing)
 SIMULATION_DRAWS = 1000      # sample mode: simulated epochs per estimate (percentiles need ~1000)
 SHARD_EPOCHS = 16            # sample mode: epochs whose real shard sizes are computed (an O(documents) pass each)
@@ -55,6 +57,32 @@ def warmup_steps(warmup, total_steps):
     """The trainer's warmup (one rule for both scripts): warmup x total steps, rounded, at least
     one step when warmup > 0, never more than the plan."""
     return min(total_steps, max(1, round(warmup * total_steps))) if warmup > 0 else 0
+
+
+def decay_start(schedule, decay, warmup, total_steps):
+    """Where the LR starts to fall (one rule for both scripts): linear and cosine right after the
+    warmup, wsd (warmup-stable-decay) at the last `decay` of the plan, never inside the warmup."""
+    return warmup if schedule != "wsd" else max(warmup, round(total_steps * (1 - decay)))
+
+
+def duration(text):
+    """An argparse type: a time with its unit (6h, 90m, 45s, 1h30m) -> seconds."""
+    found = re.fullmatch(r"(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m)?(?:(\d+(?:\.\d*)?)s)?", text.strip().lower())
+    seconds = sum(float(v or 0) * unit for v, unit in zip(found.groups(), (3600, 60, 1), strict=True)) if found else 0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a time such as 6h, 90m, 45s or 1h30m")
+    return seconds
+
+
+def step_time(text):
+    """An argparse type: seconds an optimizer step takes, or a run's summary.json (its steady steps/hour)."""
+    if text.endswith(".json"):
+        try:
+            with open(text) as f:
+                return 3600 / json.load(f)["steps_per_hour"]
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as e:
+            raise argparse.ArgumentTypeError(f"{text} gives no steps_per_hour ({e})") from None
+    return number(float, 0, low_open=True)(text)
 
 
 def progress_printer(enabled, total, what):
@@ -257,14 +285,14 @@ def sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epoc
 
 
 def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, mode="auto", warmup=0.0,
-             sample_docs=10000, progress=False):
+             sample_docs=10000, progress=False, schedule="linear", decay=DECAY):
     """Samples and optimizer steps that `stream` (a BertPretrainStream: its corpus, tokenizer,
     objective, max_seq_len, seed, short_seq_prob, shuffle; not its batch_size or rank) yields when
     trained with these settings. Returns a JSON-serialisable dict.
 
     `*_per_epoch` and the per-rank values are epoch 0's in exact mode (`per_epoch` lists every
     epoch) and an epoch's median in sample mode; `*_ci` are 95% intervals (one point in exact mode).
-    warmup_steps is what pretrain_ddp.py will use for these settings (warmup_steps()).
+    warmup_steps and decay_start are what pretrain_ddp.py will plan for these settings.
     """
     t0 = time.perf_counter()
     num_docs, total_bytes = stream.num_docs, int(stream.corpus.doc_bytes().sum())
@@ -301,7 +329,8 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
             "objective": stream.objective, "max_seq_len": stream.max_seq_len, "world_size": world_size,
             "num_workers": num_workers, "num_shards": num_shards, "batch_size": batch_size,
             "accum_steps": accum_steps, "epochs": epochs, **result,
-            "warmup": warmup, "warmup_steps": warmup_steps(warmup, result["total_steps"]), "note": note}
+            "warmup": warmup, "warmup_steps": (w := warmup_steps(warmup, result["total_steps"])), "schedule": schedule,
+            "decay_start": decay_start(schedule, decay, w, result["total_steps"]), "note": note}
 
 
 def format_report(r):
@@ -337,6 +366,7 @@ def format_report(r):
         ("optimizer steps per epoch", num(r["steps_per_epoch"]), extra("steps", "steps_per_epoch_ci")),
         ("total steps", num(r["total_steps"]), extra(None, "total_steps_ci") if r["mode"] == "sample" else ""),
         ("warmup steps", num(r["warmup_steps"]), f"{r['warmup']} x total steps, as pretrain_ddp.py plans it"),
+        ("LR decays from step", num(r["decay_start"]), f"{r['schedule']}: to 0 at the last step"),
         ("unused samples per epoch", num(r["unused_samples"]), extra("unused_samples")),
     ]
     lines += [f"{label:<32}{value:>17}  {more}".rstrip() for label, value, more in rows]
@@ -344,7 +374,27 @@ def format_report(r):
         lines.append("(per-epoch rows are epoch 0; the right column is the range over epochs)")
     if r["note"]:
         lines.append(f"note: {r['note']}")
+    if r.get("time"):
+        t = r["time"]
+        lines.append(f"{'time':<32}{hours(t['epochs_seconds']):>17}  {r['total_steps']:,} steps x "
+                     f"{t['step_seconds']:.3g} s (training only: no eval, saves or start-up)")
+        if t["budget_seconds"]:
+            lines.append(f"{'steps in --budget ' + hours(t['budget_seconds']):<32}{num(t['budget_steps']):>17}  "
+                         + ("the budget ends the run" if t["limit"] == "budget" else
+                            f"--epochs {r['epochs']} ends the run first, after {hours(t['epochs_seconds'])}"))
     return "\n".join(lines)
+
+
+def time_answer(total_steps, step_seconds, budget_seconds):
+    """How long the steps take at step_seconds a step; with a budget, the steps it holds and which ends first."""
+    budget_steps = int(budget_seconds // step_seconds) if budget_seconds else None
+    return {"step_seconds": step_seconds, "epochs_seconds": total_steps * step_seconds,
+            "budget_seconds": budget_seconds, "budget_steps": budget_steps,
+            "limit": None if budget_steps is None else "budget" if budget_steps < total_steps else "epochs"}
+
+
+def hours(seconds):
+    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m{seconds % 60:02.0f}s"
 
 
 def main(argv=None):
@@ -362,6 +412,16 @@ def main(argv=None):
     run.add_argument("--epochs", type=number(int, 1), default=1, help="passes over the corpus")
     run.add_argument("--warmup", type=number(float, 0, 1), default=WARMUP,
                      help="warmup as a fraction of the total steps")
+    run.add_argument("--schedule", default="linear", choices=["linear", "cosine", "wsd"],
+                     help="the LR after warmup (see pretrain_ddp.py --help)")
+    run.add_argument("--decay", type=number(float, 0, 1, low_open=True), default=DECAY,
+                     help="wsd: the last fraction of the steps, over which the LR decays")
+    run.add_argument("--step-time", type=step_time, default=None, metavar="SECONDS|SUMMARY_JSON",
+                     help="seconds an optimizer step takes (or a run's summary.json: its steady steps/hour): "
+                          "prints how long the steps take")
+    run.add_argument("--budget", type=duration, default=None, metavar="TIME",
+                     help="with --step-time: how many steps fit in this time (6h, 90m, 45s), and which limit "
+                          "ends the run, the budget or --epochs")
     parser.add_argument("--mode", default="auto", choices=["auto", "exact", "sample"],
                         help=f"exact: tokenize everything; sample: scale up --sample-docs documents; "
                              f"auto: exact below {AUTO_EXACT_BYTES / 1e6:.0f} MB of text and --sample-docs documents")
@@ -370,12 +430,17 @@ def main(argv=None):
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     args = parser.parse_args(argv)
     check_versions("estimate_steps.py")
+    if args.budget and not args.step_time:
+        parser.error("--budget needs --step-time: the seconds a step takes, or a run's summary.json")
     try:
         stream = stream_from_args(args, rank=0, world_size=args.world_size)
         result = estimate(stream, args.world_size, args.num_workers, args.batch_size, args.accum_steps, args.epochs,
-                          mode=args.mode, warmup=args.warmup, sample_docs=args.sample_docs, progress=True)
+                          mode=args.mode, warmup=args.warmup, sample_docs=args.sample_docs, progress=True,
+                          schedule=args.schedule, decay=args.decay)
     except CorpusError as e:
         sys.exit(f"estimate_steps.py: error: {e}")
+    if args.step_time:
+        result["time"] = time_answer(result["total_steps"], args.step_time, args.budget)
     print(json.dumps(result, indent=2) if args.json else format_report(result))
 
 

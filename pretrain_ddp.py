@@ -14,23 +14,21 @@ in sections. The choices that matter for speed and robustness are commented wher
 
 import argparse
 import contextlib
-import functools
+import copy
+import fcntl
 import hashlib
 import importlib
 import inspect
 import json
 import math
-import multiprocessing
 import os
 import pickle
 import re
-import select
 import shutil
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from datetime import timedelta
@@ -39,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader
 
 import data_stream
 import estimate_steps
@@ -87,9 +84,20 @@ def parse_args(argv=None):
                             "trains nothing: the weights stay, e.g. to evaluate")
     optim.add_argument("--warmup", type=number(float, 0, 1), default=estimate_steps.WARMUP,
                        help="fraction of the planned steps with linear warmup")
+    optim.add_argument("--schedule", default="linear", choices=["linear", "cosine", "wsd"],
+                       help="the LR after warmup: linear (BERT's) or cosine decay to 0 at the end of the plan, or "
+                            "wsd, warmup-stable-decay: the peak LR until the last --decay of the plan, then linear "
+                            "to 0; a wsd run still in its stable phase can be extended by resuming it with more "
+                            "--epochs, --max-steps or --budget")
+    optim.add_argument("--decay", type=number(float, 0, 1, low_open=True), default=estimate_steps.DECAY,
+                       help="wsd: the fraction of the plan over which the LR decays to 0")
     optim.add_argument("--weight-decay", type=number(float, 0), default=0.01,
                        help="AdamW decay (not on biases and LayerNorm)")
     optim.add_argument("--clip", type=number(float, 0), default=1.0, help="gradient norm clipping; 0 turns it off")
+    optim.add_argument("--rollback-after", type=number(int, 1), default=10, metavar="N",
+                       help="a step whose gradient is inf or NaN is skipped on every rank; after N such steps in a "
+                            "row (seen at the next --log-every step) every rank rolls back to the newest "
+                            "checkpoint and goes on with the data after them; if that does not help, the run stops")
     optim.add_argument("--amp", action="store_true",
                        help="mixed precision: bf16 where the GPU computes it natively (Ampere and later), else "
                             "fp16 + GradScaler")
@@ -104,6 +112,10 @@ def parse_args(argv=None):
     length.add_argument("--epochs", type=number(int, 1), default=5, help="passes over the corpus, reshuffled each time")
     length.add_argument("--max-steps", type=number(int, 1), default=None,
                         help="stop after this many optimizer steps; default: the whole --epochs (estimated)")
+    length.add_argument("--budget", type=estimate_steps.duration, default=None, metavar="TIME",
+                        help="train for this long (6h, 90m, 45s): before step 1 rank 0 times a few steps, an eval "
+                             "and a save, and plans the steps that fit (never more than --epochs and --max-steps "
+                             "allow); the LR reaches 0 at the last one, and a resume continues the stored plan")
 
     ckpt = p.add_argument_group("checkpoints and outputs")
     ckpt.add_argument("--out-dir", default=None,
@@ -163,21 +175,16 @@ def validate(args):
 # ----------------------------------------------------------------------------- model
 
 class Pretraining(torch.nn.Module):
-    """A Hugging Face BERT that computes only what its heads read, run with its own submodules: the
-    module tree is the Hugging Face model's, so `self.hf.save_pretrained` output loads anywhere unchanged.
-
-    - The MLM head runs only at masked positions: the vocabulary projection is most of a small BERT's
-      FLOPs and its logits tensor is huge; at 15% masking, gathering the masked rows first saves ~85%.
-    - The linear layers, LayerNorms and dropouts of every layer run on the real tokens only
-      (real_pos): padding costs only the attention, which runs in the rows (MosaicBERT's unpadding).
-    - Rows may hold several sentence pairs (data_stream's packing): sequence_ids give a block-diagonal
-      mask (a token attends only to its own pair), position_ids restart at 0 for each pair, and the NSP
-      head reads each pair's [CLS] (cls_pos) through the pooler.
-    - The last layer computes its attention output and feed-forward only for the rows the heads read,
-      masked tokens and [CLS] (MosaicBERT's trick); its keys and values cover every token.
-    Per pair the same math as Hugging Face's BertForPreTraining on a row of its own (tests: 1e-4).
-    Returns per-batch sums: (mlm loss, mlm correct, nsp loss, nsp correct).
-    """
+    """A Hugging Face BERT run with its own submodules, computing only what its heads read (the module
+    tree stays the Hugging Face model's: `self.hf.save_pretrained` output loads anywhere unchanged):
+    - the MLM head only at masked positions (the vocabulary projection is most of a small BERT's FLOPs);
+    - every layer's linear layers, LayerNorms and dropouts on the real tokens only (real_pos; MosaicBERT's
+      unpadding): padding costs only the attention, which runs in the rows, masked;
+    - rows may hold several pairs (data_stream's packing): sequence_ids give a block-diagonal mask,
+      position_ids restart per pair, the NSP head reads each pair's [CLS] (cls_pos) through the pooler;
+    - the last layer's attention output and feed-forward only for the rows the heads read (MosaicBERT).
+    Per pair the math of BertForPreTraining on a row of its own (tests: 1e-4). Returns per-batch sums:
+    (mlm loss, mlm correct, nsp loss, nsp correct)."""
 
     def __init__(self, hf_model):
         super().__init__()
@@ -287,9 +294,9 @@ def new_optimizer(raw_model, lr, weight_decay):
 
 def train_step(model, optimizer, scaler, window, global_masked, global_samples, world_size, amp_ctx, clip, lr):
     """One optimizer step at learning rate lr over a window of micro-batches. Returns, as device
-    tensors (no host sync): the loss sums, the grad norm, and with fp16's GradScaler 1 where it
-    skipped the step (gradients overflowed), else None. A skipped step still counts as a step, as
-    in the Hugging Face Trainer and nanoGPT: knowing it on the host would cost a sync per step.
+    tensors (no host sync): the loss sums, the grad norm, and 1 where the step was skipped because a
+    gradient was inf or NaN (else 0). A skipped step still counts as a step, as in the Hugging Face
+    Trainer and nanoGPT: knowing it on the host would cost a sync per step.
 
     Each micro-batch's loss is its sum of token losses over the *global* masked-token count
     (x world_size, since DDP averages gradients over ranks): the gradient is then exactly that
@@ -310,10 +317,19 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
     scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-    # GradScaler skips the step exactly when a gradient is inf/NaN, and then the norm is too
-    skipped = (~torch.isfinite(grad_norm)).long() if scaler.is_enabled() else None
-    scaler.step(optimizer)  # skips the step when fp16 gradients overflowed, and then lowers the scale
-    scaler.update()
+    # A non-finite gradient is never applied (it would poison AdamW's moments). Every rank holds the same
+    # all-reduced gradients, so all skip the same steps, with no collective. fp16's GradScaler skips its
+    # overflows; otherwise the fused AdamW skips on the device, told by found_inf as GradScaler tells it.
+    skipped = (~torch.isfinite(grad_norm)).float()
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+        scaler.update()
+    elif optimizer.defaults.get("fused"):
+        optimizer.found_inf = skipped
+        optimizer.step()
+        del optimizer.found_inf
+    elif not skipped:  # an optimizer that takes no found_inf: a host read (the trainer's AdamW is fused)
+        optimizer.step()
     # Under DDP the gradients are views into its all_reduce buckets (gradient_as_bucket_view):
     # zeroing keeps them, set_to_none would drop them and DDP would copy into new tensors each step.
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
@@ -396,6 +412,10 @@ def main(argv=None):
     eval_loader = make_loader(eval_stream, args.num_workers, device, timeout_s, persistent=True) \
         if eval_stream is not None else None
     meter = new_meter(device, amp_dtype, progress)
+    if args.budget and not run["path"]:  # a resume continues the stored plan
+        plan = plan_budget(args, run, model, trainer, stream, eval_loader, tokenizer, device, amp_ctx, meter)
+    if plan.get("budget"):  # the plan's steps end a --budget run, not the epochs
+        step_limit = min(step_limit, progress["step"] + round((plan["total"] - run["plan_pos"]) / step_in_plan))
     eval_metrics, train_loss, grad_norm, stopped, last_eval_step = {}, float("nan"), None, False, None
     while progress["epoch"] < args.epochs and progress["step"] < step_limit and not stopped:
         start_epoch(stream, progress["epoch"], resume_data, args.num_workers)
@@ -422,17 +442,17 @@ def main(argv=None):
             step = progress["step"]
             if step % args.log_every == 0:
                 train_loss = log_interval(log, meter, progress, grad_norm, scaler, args.objective)
-            if step - meter["start"][0] in (1, STEADY_AFTER):
-                meter["marks"][step - meter["start"][0]] = (clock(device) - meter["paused"], step,
-                                                            progress["tokens_seen"], progress["flops_done"])
+                if meter["worst"] >= args.rollback_after:
+                    rollback(args, run, progress, trainer, device, meter)
+            mark(meter, progress, device, run)
             save, export = step % args.save_every == 0, args.export_every and step % args.export_every == 0
             eval_now = eval_loader is not None and step % args.eval_every == 0
             if save or export or eval_now:  # time outside training: left out of the steady rates
                 t_pause = clock(device)
                 if save:
                     checkpoint(args, run, progress, trainer, stream, device, log.runs)
-                if export and master:
-                    export_hf(raw_model.hf, tokenizer, out_dir)
+                if export and master and (failed := export_hf(raw_model.hf, tokenizer, out_dir)):
+                    warn(f"warning: {failed}; training goes on")
                 if eval_now:
                     eval_metrics, last_eval_step = run_eval(raw_model, eval_loader, amp_ctx, args, log, step), step
                 meter["paused"] += clock(device) - t_pause
@@ -451,12 +471,14 @@ def main(argv=None):
         eval_metrics = run_eval(raw_model, eval_loader, amp_ctx, args, log, progress["step"])
         if not eval_metrics and master:
             warn("warning: the eval set produced no masked tokens; eval skipped")
-    eval_loader = None  # its persistent workers end here, before the process group does
+    eval_loader, failed = None, []  # its persistent workers end here, before the process group does
     if master:
-        report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, scaler)
-        export_hf(raw_model.hf, tokenizer, out_dir)
+        failed = [e for e in (report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, scaler),
+                              export_hf(raw_model.hf, tokenizer, out_dir)) if e]
         log.close()
     leave_group()
+    if failed:
+        fail(f"{'; '.join(failed)}; the checkpoint holds the weights: free space and run the same command again")
 
 
 # ----------------------------------------------------------------------------- device
@@ -597,6 +619,7 @@ def peak_flops(device, amp_dtype):
 HOST = socket.gethostname()
 PREPARE_TIMEOUT = timedelta(hours=24)  # rank 0 may train a tokenizer and count a corpus meanwhile
 GROUP = {"rank": 0, "world_size": 1, "store": None, "ctrl": None}
+OUT_DIR_LOCK = {}  # rank 0's open lock file of each out dir it runs in (lock_out_dir)
 
 
 class UserError(Exception):
@@ -771,13 +794,11 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
     rank needs (sent over the process group); rank 0's tokenizer, stream, checkpoint and --init-from
     weights go to rank0_only."""
     out_dir = args.out_dir or default_out_dir()
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        fail(f"--out-dir {out_dir} is a file; give a directory")
+    lock_out_dir(out_dir)
     path, resumed = choose_checkpoint(args, os.path.join(out_dir, "checkpoints"))
     if args.resume == "none" and args.overwrite:
         for old in ("checkpoints", "tokenizer"):
             shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
-    os.makedirs(out_dir, exist_ok=True)
     init, source = None, f"--model-size {args.model_size}"
     if args.init_from and resumed is not None:
         warn(f"note: {out_dir} has checkpoints of its own: resuming them, not --init-from {args.init_from}")
@@ -822,8 +843,8 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
         run.update(plan=plan, plan_pos=0.0, estimate=estimate)
     else:
         meta = resumed["meta"]
-        changed = [f"{k} (checkpoint {before.get(k)!r}, now {config[k]!r})" for k in RESUME_MUST_MATCH
-                   if before.get(k) != config[k]]
+        changed = [f"{k} (checkpoint {before.get(k, old)!r}, now {config[k]!r})"
+                   for k, old in RESUME_MUST_MATCH.items() if before.get(k, old) != config[k]]
         if changed:
             fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
                  "or --resume none --overwrite")
@@ -834,14 +855,19 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
             warn(f"warning: the corpus changed since {path}; epoch {meta['epoch']} restarts on the new corpus")
             run["corpus_changed"] = True
         plan, pos = meta["plan"], meta["plan_pos"]
-        if (before["epochs"], before["max_steps"]) != (args.epochs, args.max_steps):
+        if args.budget and not plan.get("budget"):
+            fail(f"cannot resume {path} with --budget: its plan counts steps, not time; extend it with --epochs "
+                 "or --max-steps, or drop --budget")
+        lengths = [(f"--{k.replace('_', '-')}", before.get(k), getattr(args, k)) for k in ("epochs", "max_steps",
+                                                                                          "budget")]
+        if any(old != new for _, old, new in lengths):
             new = replan(plan, pos, meta["step"], args, effective_batch)
             if lr_factor(new, pos) == 0 and new["total"] > pos:
                 fail(f"cannot extend {path}: its LR had decayed to 0, so more steps would not train; start a new "
                      f"plan from its weights: --init-from {out_dir} --out-dir ANOTHER_DIR")
-            warn(f"warning: --epochs/--max-steps {before['epochs']}/{before['max_steps']} -> {args.epochs}/"
-                 f"{args.max_steps}: the LR plan now ends after {new['total']:.0f} planned steps, not "
-                 f"{plan['total']:.0f}; the LR decays from its current value")
+            warn(f"warning: {', '.join(f'{flag} {old} -> {new}' for flag, old, new in lengths if old != new)}: the "
+                 f"LR plan now ends after {new['total']:.0f} planned steps, not {plan['total']:.0f}, and goes on "
+                 f"from today's LR (never up)")
             plan = new
         if (meta["world_size"], meta["num_workers"]) != (world_size, args.num_workers):
             warn(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as {world_size} x "
@@ -857,6 +883,32 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
             run["tokenizer_files"][name] = f.read()
     rank0_only.update(tokenizer=tokenizer, stream=stream, resumed=resumed)
     return run
+
+
+def lock_out_dir(out_dir):
+    """Rank 0 holds an exclusive flock on <out>/.lock while it lives, so a second job into the out dir
+    (a Slurm requeue beside the running job, a launch by hand) stops before it resumes anything. The
+    kernel drops the lock when the process dies, SIGKILL included: it is never stale (local file
+    systems and NFSv4 have flock; where it fails, a warning)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        fail(f"--out-dir {out_dir} is a file; give a directory")
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.realpath(out_dir) in OUT_DIR_LOCK:  # main() called again in this process
+        return
+    f = open(os.path.join(out_dir, ".lock"), "a+")  # kept open (OUT_DIR_LOCK): closing it would unlock
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        fail(f"--out-dir {out_dir} is in use by another job ({f.read().strip() or 'holder unknown'}): let it "
+             "finish or stop it, or give another --out-dir")
+    except OSError as e:
+        warn(f"warning: --out-dir {out_dir} cannot be locked ({e.strerror}): nothing stops a second job from "
+             "writing into it")
+    f.truncate(0)
+    f.write(f"held by host {HOST}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    OUT_DIR_LOCK[os.path.realpath(out_dir)] = f
 
 
 def run_tokenizer(args, out_dir, resumed, path, init_tokenizer):
@@ -1025,28 +1077,103 @@ def new_lr_plan(args, stream, world_size):
     if args.max_steps is not None:  # estimate only the epochs --max-steps can reach (not e.g. --epochs 100000)
         first = estimate_steps.estimate(*settings, 1)
         epochs = min(epochs, math.ceil(args.max_steps / max(first["total_steps"], 1)) + 1)
-    est = estimate_steps.estimate(*settings, epochs)
+    est = estimate_steps.estimate(*settings, epochs, warmup=args.warmup, schedule=args.schedule, decay=args.decay)
     total = est["total_steps"] if args.max_steps is None else min(args.max_steps, est["total_steps"] or 1)
+    return plan_of(args, total, est["total_steps"] / epochs, args.batch_size * args.accum_steps * world_size), est
+
+
+def plan_of(args, total, steps_per_epoch, batch):
+    """The plan of `total` steps: warmup, then from decay_from = [position, factor] down to 0 at the total."""
     warmup = estimate_steps.warmup_steps(args.warmup, total)
-    return {"total": total, "warmup": warmup, "batch": args.batch_size * args.accum_steps * world_size,
-            "decay_from": [warmup, 1.0], "steps_per_epoch": est["total_steps"] / epochs}, est
+    return {"total": total, "warmup": warmup, "batch": batch, "steps_per_epoch": steps_per_epoch,
+            "schedule": args.schedule, "decay": args.decay,
+            "decay_from": [estimate_steps.decay_start(args.schedule, args.decay, warmup, total), 1.0]}
 
 
 def lr_factor(plan, pos):
-    """Linear warmup to 1, then linear decay from decay_from = [position, factor] to 0 at the total."""
+    """Linear warmup to 1; the factor of decay_from = [position, factor] until that position (wsd's stable
+    phase), then down to 0 at the total: linear, or cosine. Plans from before --schedule are linear."""
     if pos < plan["warmup"]:
         return (pos + 1) / plan["warmup"]
     start, factor = plan["decay_from"]
-    return max(0.0, factor * (plan["total"] - pos) / max(plan["total"] - start, 1))
+    done = min(max(pos - start, 0) / max(plan["total"] - start, 1), 1.0)
+    return factor * (0.5 * (1 + math.cos(math.pi * done)) if plan.get("schedule") == "cosine" else 1 - done)
 
 
 def replan(plan, pos, step, args, batch):
-    """--epochs or --max-steps changed on resume: decay from today's LR to the new end (no jump up)."""
+    """--epochs, --max-steps or --budget changed on resume: the plan ends elsewhere, and the LR never jumps:
+    a wsd plan in its stable phase keeps its peak and decays over the new end's --decay; a decaying plan
+    decays from today's LR; a plan in its warmup keeps it."""
     total = args.epochs * plan["steps_per_epoch"]
     if args.max_steps is not None:
         total = min(total, pos + (args.max_steps - step) * batch / plan["batch"])
-    decay_from = plan["decay_from"] if pos < plan["warmup"] else [pos, lr_factor(plan, pos)]
+    if plan.get("budget") and args.budget:  # the stored step time: a resume never measures again
+        total = min(total, plan["total"] + (args.budget - plan["budget"]["seconds"]) / plan["budget"]["step_s"])
+    start, stable = plan["decay_from"][0], plan.get("schedule") == "wsd"
+    if pos < plan["warmup"] or (stable and pos < start):
+        decay_from = [estimate_steps.decay_start(plan["schedule"], plan["decay"], plan["warmup"], total), 1.0] \
+            if stable else list(plan["decay_from"])
+        decay_from[0] = max(decay_from[0], pos)
+    else:
+        decay_from = [pos, lr_factor(plan, pos)]
     return {**plan, "total": total, "decay_from": decay_from}
+
+
+CALIBRATION = (3, 10)  # --budget: steps before the timed ones (worker start, allocator, compile), steps timed
+
+
+def plan_budget(args, run, model, trainer, stream, eval_loader, tokenizer, device, amp_ctx, meter):
+    """Collective, --budget: every rank runs real steps (the first few untimed) and an eval, rank 0 a
+    save (and an export); rank 0 times them and plans the steps that fit in the budget (the
+    calibration's own time counted, eval, checkpoints and exports by their share per step), capped by
+    --epochs and --max-steps. Then weights, optimizer, loss scale, RNG and data are as before, so step
+    1 runs on the final plan, which every checkpoint carries: a resume never measures again."""
+    raw_model, optimizer, scaler = trainer
+    before = [{k: v.to("cpu", copy=True) for k, v in raw_model.state_dict().items()},
+              copy.deepcopy(optimizer.state_dict()), scaler.state_dict(), rng_states(device)]
+    times = [clock(device)]
+    start_epoch(stream, 0, None, args.num_workers)
+    batches = iter(make_loader(stream, args.num_workers, device, args.dist_timeout * 60))
+    while len(times) <= sum(CALIBRATION):
+        window, _, counts = next_window(batches, args, device, raw_model.hf.config, meter)
+        full, *totals, _ = all_reduce_ctrl([len(window) == args.accum_steps, *counts, 0])
+        if full < GROUP["world_size"]:
+            break
+        train_step(model, optimizer, scaler, [b for b, _ in window], totals[0], totals[1], GROUP["world_size"],
+                   amp_ctx, args.clip, args.lr * lr_factor(run["plan"], 0))
+        times.append(clock(device))
+    del batches
+    warm = min(CALIBRATION[0], len(times) - 2) if len(times) > 1 else 0
+    step_s = (times[-1] - times[warm]) / max(len(times) - 1 - warm, 1) if len(times) > 1 else math.inf
+    if eval_loader is not None:
+        evaluate(raw_model, eval_loader, device, amp_ctx, GROUP["world_size"], args.objective == "nsp")
+    marks, tmp = [clock(device)], os.path.join(run["out_dir"], ".budget-calibration")
+    for write in ("save", "export"):  # rank 0 writes a checkpoint and (with --export-every) an export, deleted
+        if GROUP["rank"] == 0 and (write == "save" or args.export_every):
+            save_checkpoint(tmp, 0, {"trainer.pt": {"model": raw_model.hf.state_dict(),
+                                                    "optimizer": optimizer.state_dict()}}, {}, 1) \
+                if write == "save" else export_hf(raw_model.hf, tokenizer, tmp)
+        marks.append(clock(device))
+    shutil.rmtree(tmp, ignore_errors=True)
+    raw_model.load_state_dict(before[0])
+    optimizer.load_state_dict(before[1])
+    scaler.load_state_dict(before[2])
+    set_rng_states(before[3], device)
+    meter.update(interval=new_interval(), data_wait=0.0)
+    spent = marks[-1] - times[0]
+    per_step = step_s + (marks[0] - times[-1]) / args.eval_every + (marks[1] - marks[0]) / args.save_every + \
+        ((marks[2] - marks[1]) / args.export_every if args.export_every else 0.0)
+    fit = int(max(args.budget - spent, 0) // per_step)
+    budget = {"seconds": args.budget, "step_s": per_step, "train_step_s": step_s, "calibration_s": spent,
+              "steps_fit": fit, "limit": "budget" if fit < run["plan"]["total"] else "epochs"}
+    plan = from_rank0({**plan_of(args, min(fit, run["plan"]["total"]), run["plan"]["steps_per_epoch"],
+                                 run["plan"]["batch"]), "budget": budget})
+    agree(f"--budget {estimate_steps.hours(args.budget)} holds no step: the calibration took {spent:.1f} s and a "
+          f"step takes {per_step:.3g} s here" if plan["total"] < 1 and GROUP["rank"] == 0 else None)
+    run["plan"], run["config"]["planned_steps"] = plan, plan["total"]
+    if GROUP["rank"] == 0:
+        announce_budget(run)
+    return plan
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -1057,7 +1184,8 @@ def replan(plan, pos, step, args, batch):
 # unpickled as code: torch.load(weights_only=True) reads tensors and plain containers only.
 # Fields that a resumed run must share with the checkpoint (the rest may change; the corpus is
 # compared by its fingerprint, the tokenizer by its hash):
-RESUME_MUST_MATCH = ("model_size", "objective", "max_seq_len", "vocab", "seed")
+RESUME_MUST_MATCH = {"model_size": None, "objective": None, "max_seq_len": None, "vocab": None, "seed": None,
+                     "schedule": "linear"}  # (what a checkpoint without the field had)
 
 
 def save_checkpoint(root, step, files, meta, keep_last):
@@ -1067,11 +1195,15 @@ def save_checkpoint(root, step, files, meta, keep_last):
     os.makedirs(root, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash during an earlier save
     os.makedirs(tmp)
-    for file_name, obj in files.items():
-        _write(os.path.join(tmp, file_name), lambda f, obj=obj: torch.save(obj, f))
-    manifest = {"meta": meta, "sha256": {f: _sha256(os.path.join(tmp, f)) for f in files}}
-    _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    _fsync_dir(tmp)
+    try:
+        for file_name, obj in files.items():
+            _write(os.path.join(tmp, file_name), lambda f, obj=obj: torch.save(obj, f))
+        manifest = {"meta": meta, "sha256": {f: _sha256(os.path.join(tmp, f)) for f in files}}
+        _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        _fsync_dir(tmp)
+    except BaseException:  # e.g. the disk is full: no half-written folder stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     # The pointer moves first: a crash before the rename leaves it naming a step that is missing or
     # incomplete, and --resume auto takes the newest complete one below it. (Moved after, a crash
     # between would make the new complete checkpoint look abandoned.)
@@ -1207,6 +1339,7 @@ def checkpoint(args, run, progress, trainer, stream, device, tracker_runs):
         dist.gather_object(mine, gathered, dst=0, group=GROUP["ctrl"])
     else:
         gathered = [mine]
+    error, root = None, os.path.join(run["out_dir"], "checkpoints")
     if GROUP["rank"] == 0:
         meta = {**progress, "world_size": GROUP["world_size"], "num_workers": args.num_workers,
                 "config": run["config"], "plan": run["plan"], "plan_pos": run["plan_pos"],
@@ -1215,9 +1348,20 @@ def checkpoint(args, run, progress, trainer, stream, device, tracker_runs):
         raw_model, optimizer, scaler = trainer
         state = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict(),
                  "scaler": scaler.state_dict()}
-        path = save_checkpoint(os.path.join(run["out_dir"], "checkpoints"), progress["step"],
-                               {"trainer.pt": state, "ranks.pt": gathered}, meta, args.keep_last)
-        say(f"saved {path}")
+        latest, step = read_latest(root), progress["step"]
+        kept = f"{os.path.join(root, latest)} is the newest complete checkpoint" if latest else "no checkpoint yet"
+        files = {"trainer.pt": state, "ranks.pt": gathered}
+        if not torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all():
+            error = f"the weights at step {step} are not finite: not saved; {kept}"
+        else:
+            try:
+                say(f"saved {save_checkpoint(root, step, files, meta, args.keep_last)}")
+            except Exception as e:
+                error = data_stream.write_error(f"checkpoint step_{step:06d} into {root}", root, e, nbytes(state))
+                if error is None:
+                    raise
+                error += f"; {kept}: free space and run the same command again to resume there"
+    agree(error)  # one line from rank 0, every rank stops
 
 
 def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_workers):
@@ -1225,23 +1369,60 @@ def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_w
     would hide a rank that loaded something else. Returns the progress counters and this rank's
     data cursor (None: the epoch starts from its beginning)."""
     progress = {"step": 0, "epoch": 0, "samples_seen": 0, "tokens_seen": 0, "flops_done": 0.0,
-                "unused_per_epoch": []}
+                "unused_per_epoch": [], "train_seconds": 0.0, "rollbacks": 0}
     if resumed is None:
         return progress, None
-    meta, trainer, ranks = resumed["meta"], resumed["trainer.pt"], resumed["ranks.pt"]
-    raw_model.hf.load_state_dict(trainer["model"])
-    optimizer.load_state_dict(trainer["optimizer"])
-    if scaler.is_enabled() and trainer["scaler"]:
-        scaler.load_state_dict(trainer["scaler"])
-    elif scaler.is_enabled() and GROUP["rank"] == 0:
-        warn("note: the checkpoint trained without fp16: a fresh GradScaler starts")
-    progress.update({k: meta[k] for k in progress})
+    meta, ranks = resumed["meta"], resumed["ranks.pt"]
+    load_trainer(resumed["trainer.pt"], raw_model, optimizer, scaler)
+    progress.update({k: meta.get(k, progress[k]) for k in progress})
     if corpus_changed:
         return progress, None
     if (meta["world_size"], meta["num_workers"]) == (GROUP["world_size"], num_workers):
         set_rng_states(ranks[GROUP["rank"]]["rng"], device)
         return progress, ranks[GROUP["rank"]]["data"]
     return progress, data_stream.BertPretrainStream.merge_states([r["data"] for r in ranks])
+
+
+def load_trainer(state, raw_model, optimizer, scaler):
+    raw_model.hf.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if scaler.is_enabled() and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
+    elif scaler.is_enabled() and GROUP["rank"] == 0:
+        warn("note: the checkpoint trained without fp16: a fresh GradScaler starts")
+
+
+def rollback(args, run, progress, trainer, device, meter):
+    """Collective: --rollback-after steps in a row had an inf/NaN gradient (each skipped). Every rank
+    loads the weights, optimizer and loss scale of the newest checkpoint and goes on with the data
+    after those steps (their batches are not replayed), the step count and LR plan going on too. With
+    no checkpoint, or after a rollback to that one already, every rank stops: it did not help."""
+    root = os.path.join(run["out_dir"], "checkpoints")
+    path = from_rank0(read_latest(root) and os.path.join(root, read_latest(root)))
+    skipped = f"{meter['worst']:.0f} steps in a row up to step {progress['step']} had an inf/NaN gradient (skipped)"
+    if path is None or run.get("rolled_back_to") == path:
+        if GROUP["rank"] == 0:
+            say_error(f"{skipped}, and " + ("there is no checkpoint to roll back to" if path is None else
+                      f"a rollback to {path} did not help") + ": lower --lr, raise --warmup or --clip, or look "
+                      "at the data of these steps")
+        raise SystemExit(2)
+    mine = read_checkpoint(path)[0] if GROUP["rank"] == 0 else None
+    sha = from_rank0(mine and mine["sha256"])
+    loaded = fetch(mine, path, lambda: read_checkpoint(path)[0], lambda c: c["sha256"] == sha)
+    load_trainer(loaded["trainer.pt"], *trainer)
+    run["rolled_back_to"], progress["rollbacks"], meter["worst"] = path, progress["rollbacks"] + 1, 0
+    meter["skips"][1:] = 0
+    if GROUP["rank"] == 0:
+        say(f"{skipped}: rolled the weights and optimizer back to {path}; the data goes on after step "
+            f"{progress['step']} (the batches since step {loaded['meta']['step']} are not replayed)")
+
+
+def nbytes(obj):
+    """Bytes of the tensors in a (nested) state dict: about what its checkpoint file takes."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    return sum(nbytes(v) for v in values)
 
 
 def weights_checksum(state_dict):
@@ -1265,14 +1446,22 @@ def set_rng_states(states, device):
 
 
 def export_hf(hf_model, tokenizer, out_dir):
-    """A Hugging Face folder (safetensors + tokenizer), written aside and renamed into place."""
+    """A Hugging Face folder (safetensors + tokenizer), written aside and renamed into place. Returns
+    None, or the one line saying why it could not be written (a full disk: the old folder stays)."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
 
     def write(folder):
         hf_model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
-    replace_folder(os.path.join(out_dir, "hf"), write)
+    try:
+        replace_folder(os.path.join(out_dir, "hf"), write)
+    except Exception as e:
+        failed = data_stream.write_error(f"the Hugging Face export {os.path.join(out_dir, 'hf')}", out_dir, e,
+                                         nbytes(hf_model.state_dict()))
+        if failed is None:
+            raise
+        return failed
 
 
 def replace_folder(final, write):
@@ -1281,7 +1470,11 @@ def replace_folder(final, write):
     own steps for that: save_checkpoint)."""
     tmp = os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
     shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
+    try:
+        write(tmp)
+    except BaseException:  # e.g. a full disk: the old folder stays, no half-written one
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
 
@@ -1296,13 +1489,15 @@ def new_meter(device, amp_dtype, progress):
     rates the training clock (without eval, checkpoints and exports: "paused") at marks after 1
     and STEADY_AFTER steps. Rates count this run only, from its start (step, tokens, flops)."""
     return {"interval": new_interval(), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
+            "train_base": progress["train_seconds"], "worst": 0,
             "start": (progress["step"], progress["tokens_seen"], progress["flops_done"]), "marks": {},
             "paused": 0.0, "data_wait": 0.0, "computed": 0,
-            "overflow_skips": torch.zeros((), dtype=torch.int64, device=device)}  # fp16: read at the end
+            # skipped steps (non-finite gradients): in all, in a row now, the most in a row since the last log
+            "skips": torch.zeros(3, device=device)}
 
 
 def new_interval():
-    return {"sums": None, "masked": 0, "samples": 0, "tokens": 0, "flops": 0.0, "wait": 0.0,
+    return {"sums": None, "samples": 0, "tokens": 0, "flops": 0.0, "wait": 0.0,
             "t0": time.perf_counter(), "lr": None}  # count_step sets it
 
 
@@ -1311,15 +1506,21 @@ def count_step(meter, progress, sums, skipped, lr, totals):
     sums its loss sums."""
     masked, samples, tokens, flops, computed = totals
     meter["computed"] += computed
-    if skipped is not None:
-        meter["overflow_skips"] += skipped
+    skips = meter["skips"]  # on the device: read at log steps
+    skips[0] += skipped
+    skips[1] = (skips[1] + skipped) * skipped
+    skips[2] = torch.maximum(skips[2], skips[1])
     progress["step"] += 1
     progress["samples_seen"] += samples
     progress["tokens_seen"] += tokens
     progress["flops_done"] += flops
+    progress["train_seconds"] = meter["train_base"] + time.perf_counter() - meter["t_start"]
     interval = meter["interval"]
+    # the loss sums and counts of the steps applied, on the device (a skipped step's loss may be NaN)
+    sums = torch.cat([sums, torch.stack([(1 - skipped) * masked, (1 - skipped) * samples])])
+    sums = torch.where(skipped > 0, torch.zeros_like(sums), sums)
     interval["sums"] = sums if interval["sums"] is None else interval["sums"] + sums
-    for key, value in (("masked", masked), ("samples", samples), ("tokens", tokens), ("flops", flops)):
+    for key, value in (("samples", samples), ("tokens", tokens), ("flops", flops)):
         interval[key] += value
     interval["lr"] = lr
 
@@ -1331,15 +1532,19 @@ def rates(seconds, steps, tokens, flops, peak, world_size):
 
 
 def log_interval(log, meter, progress, grad_norm, scaler, objective):
-    """Log the scalars of the steps since the last call; returns the train loss over them."""
-    interval, world_size = meter["interval"], GROUP["world_size"]
-    loss_sums = interval["sums"].double()
+    """Log the scalars of the steps since the last call; returns the train loss over them (the steps
+    skipped for an inf/NaN gradient left out). meter["worst"]: the most steps skipped in a row since."""
+    interval, world_size, skips = meter["interval"], GROUP["world_size"], meter["skips"]
+    loss_sums = torch.cat([interval["sums"], skips]).double()
     if world_size > 1:
         dist.all_reduce(loss_sums)  # the loss of all ranks, not rank 0's: one sync per log
-    mlm_loss, _, nsp_loss, _ = loss_sums.tolist()
+    mlm_loss, _, nsp_loss, _, masked, samples, skipped, _, worst = loss_sums.tolist()
+    meter["worst"], skips[2] = worst / world_size, skips[1]  # every rank skipped the same steps
+    masked, samples = masked / world_size, samples / world_size  # the global counts, on every rank
     elapsed = time.perf_counter() - interval["t0"]
     speed = rates(elapsed, 0, interval["tokens"], interval["flops"], meter["peak"], world_size)
-    mlm_loss, nsp_loss = mlm_loss / max(interval["masked"], 1), nsp_loss / max(interval["samples"], 1)
+    mlm_loss = mlm_loss / masked if masked else float("nan")  # nan: every step of the interval was skipped
+    nsp_loss = nsp_loss / samples if samples else float("nan")
     scalars = {"train/loss": mlm_loss + nsp_loss, "train/mlm_loss": mlm_loss, "train/lr": interval["lr"],
                "train/grad_norm": float(grad_norm), "train/tokens_per_sec": speed["tokens_per_sec"],
                "train/samples_per_sec": interval["samples"] / elapsed,
@@ -1348,6 +1553,8 @@ def log_interval(log, meter, progress, grad_norm, scaler, objective):
         scalars["train/nsp_loss"] = nsp_loss
     if scaler.is_enabled():
         scalars["train/loss_scale"] = scaler.get_scale()
+    if skipped:
+        scalars["train/skipped_steps"] = skipped / world_size  # this run's, in all
     if speed["mfu"] is not None:
         scalars["train/mfu"] = speed["mfu"]
     log(scalars, progress["step"])
@@ -1372,11 +1579,41 @@ def announce(args, run, raw_model, device, progress):
         f"({args.batch_size} x {config['world_size']} ranks x {args.accum_steps} accum)")
     say(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps "
         f"for {estimate['epochs']} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps
-                                         else ")"))
+                                         else ")") + f"; {plan.get('schedule', 'linear')} LR schedule, warmup "
+        f"{plan['warmup']} steps, decay from {plan['decay_from'][0]:.0f}" + (", then --budget" if args.budget and
+                                                                           not run["path"] else ""))
+    if run["path"] and plan.get("budget"):
+        announce_budget(run)
     if run["path"]:
         say(f"resumed from {run['path']} at step {progress['step']}, epoch {progress['epoch']}")
     elif run["init"]:
         say(f"initialised from {run['init']['folder']} (weights only: new optimizer and LR plan, step 0)")
+
+
+def announce_budget(run):
+    plan, budget = run["plan"], run["plan"]["budget"]
+    epochs = plan["total"] / max(plan["steps_per_epoch"], 1)
+    say(f"--budget {estimate_steps.hours(budget['seconds'])}: a step takes {budget['train_step_s']:.3g} s here, "
+        f"{budget['step_s']:.3g} s with eval, checkpoints and exports by their share; the calibration took "
+        f"{budget['calibration_s']:.1f} s: planned {plan['total']:,} steps ({epochs:.2f} epochs), LR decay from step "
+        f"{plan['decay_from'][0]:.0f}" + ("" if budget["limit"] == "budget" else f"; {budget['steps_fit']:,} steps "
+                                          "would fit: the data of --epochs / --max-steps ends the run first"))
+
+
+def mark(meter, progress, device, run):
+    """The steady rates' marks after 1 and STEADY_AFTER steps of this run. At the second, a --budget run
+    says where its plan lands at this machine's speed (a resume on slower hardware keeps its plan)."""
+    done, budget = progress["step"] - meter["start"][0], run["plan"].get("budget")
+    if done in (1, STEADY_AFTER):
+        meter["marks"][done] = (clock(device) - meter["paused"], progress["step"], progress["tokens_seen"],
+                                progress["flops_done"])
+    if done == STEADY_AFTER and budget and GROUP["rank"] == 0:
+        (t1, s1, *_), (t2, s2, *_) = meter["marks"][1], meter["marks"][STEADY_AFTER]
+        step_s = (t2 - t1) / (s2 - s1) + budget["step_s"] - budget["train_step_s"]
+        left = (run["plan"]["total"] - run["plan_pos"]) * run["plan"]["batch"] / run["config"]["effective_batch"]
+        ends = progress["train_seconds"] + left * step_s
+        say(f"--budget: {left:,.0f} steps left at {step_s:.3g} s a step here (planned at {budget['step_s']:.3g} s): "
+            f"training ends after {estimate_steps.hours(ends)}, {ends / budget['seconds'] - 1:+.1%} off the budget")
 
 
 def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, scaler):
@@ -1406,24 +1643,30 @@ def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, s
           f"{eta_h:.2f} h; {steady['tokens_per_sec']:,.0f} tokens/s, MFU {mfu} (both of the real tokens) "
           f"(overall, start-up included: {overall['tokens_per_sec']:,.0f} tokens/s)")
     print(f"data wait: {wait_share:.1%} of the training time on rank 0 (DataLoader workers per rank: "
-          f"{args.num_workers}" + ("; the data is the bottleneck: more --num-workers, or --build-cache first)" if
-                                   wait_share > 0.1 else ")"))
-    skips = int(meter["overflow_skips"])
-    if skips:
-        print(f"fp16: {skips} of the steps were skipped by the GradScaler (gradients overflowed; the loss "
-              f"scale is now {scaler.get_scale():g})")
+          f"{args.num_workers}" + ("; the data is the bottleneck: more --num-workers, or --build-cache first)"
+                                   if wait_share > 0.1 else ")"))
+    skips, budget, trained = int(meter["skips"][0]), plan.get("budget"), progress["train_seconds"]
+    if skips or progress["rollbacks"]:
+        print(f"{skips} step(s) skipped for an inf/NaN gradient" + (f" (fp16 overflows: the loss scale is now "
+              f"{scaler.get_scale():g})" if scaler.is_enabled() else "") + f"; rollbacks: {progress['rollbacks']}")
+    if budget:
+        print(f"--budget {estimate_steps.hours(budget['seconds'])}: trained {estimate_steps.hours(trained)} "
+              f"({trained / budget['seconds'] - 1:+.1%}), the calibration included")
     summary = {"steps": step, "planned_steps": total_steps, "epochs_done": progress["epoch"],
                "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,
                "samples_seen": progress["samples_seen"], "tokens_seen": tokens_seen,
                **steady, "steady_from_step": mark[1] if steady is not overall else None,
                **{f"{k}_overall": v for k, v in overall.items()}, "data_wait_share": wait_share,
-               "padding_share": padding,
-               "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
+               "padding_share": padding, "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
                "unused_samples_per_epoch": progress["unused_per_epoch"],
-               "stopped_by_signal": stopped, "fp16_overflow_skips": skips, "estimate": run["estimate"],
+               "stopped_by_signal": stopped, "skipped_steps": skips, "rollbacks": progress["rollbacks"],
+               "train_seconds": trained, "budget": budget, "estimate": run["estimate"],
                "lr_plan": plan, "lr_plan_position": run["plan_pos"]}
-    data_stream.atomic_write(os.path.join(run["out_dir"], "summary.json"),
-                             lambda f: json.dump(summary, f, indent=1), mode="w")
+    try:
+        data_stream.atomic_write(os.path.join(run["out_dir"], "summary.json"),
+                                 lambda f: json.dump(summary, f, indent=1), mode="w")
+    except OSError as e:
+        return data_stream.write_error(os.path.join(run["out_dir"], "summary.json"), run["out_dir"], e)
 
 
 def say(line):
@@ -1436,27 +1679,19 @@ def warn(line):
 
 class Logger:
     """logger(scalars, step) writes to each sink of --log-to; close() at the end. runs: the
-    experiment trackers' run ids, kept in the checkpoints: given the resumed checkpoint's, each
-    tracker continues its run. A tracker that fails (no server, no login, a server gone mid-run)
-    is dropped with one warning line: training goes on with the other sinks."""
+    experiment trackers' run ids (trackers.py), kept in the checkpoints: given the resumed
+    checkpoint's, each tracker continues its run; one that fails is dropped with one warning line."""
 
     def __init__(self, log_to, out_dir, config, runs):
-        self.stdout, self.writer, self.trackers, self.runs = "stdout" in log_to, None, {}, dict(runs)
-        self.failed = None  # trackers.failed_line, once a tracker is asked for
+        self.stdout, self.writer, self.trackers, self.runs = "stdout" in log_to, None, None, dict(runs)
         if "tensorboard" in log_to:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(out_dir)
             self.writer.add_text("config", json.dumps(config, indent=1))
-        for name in ("mlflow", "wandb"):
-            if name in log_to:
-                import trackers  # only here: the core runs without the trackers' packages
-                self.failed = trackers.failed_line
-                try:
-                    write, finish, self.runs[name] = trackers.STARTS[name](out_dir, config, self.runs.get(name),
-                                                                           say, warn)
-                    self.trackers[name] = (write, finish)
-                except Exception as e:  # whatever the tracker's client raises: it must not end the training
-                    warn(self.failed(name, e))
+        if {"mlflow", "wandb"} & set(log_to):
+            import trackers  # only here: the core runs without the trackers' packages
+            self.trackers = trackers.Trackers([n for n in log_to if n in trackers.STARTS], out_dir, config, self.runs,
+                                              say, warn)
 
     def __call__(self, scalars, step):
         if self.stdout:
@@ -1465,21 +1700,14 @@ class Logger:
         if self.writer is not None:
             for k, v in scalars.items():
                 self.writer.add_scalar(k, v, step)
-        for name, (write, _) in list(self.trackers.items()):
-            try:
-                write(scalars, step)
-            except Exception as e:
-                warn(self.failed(name, e))
-                del self.trackers[name]
+        if self.trackers:
+            self.trackers(scalars, step)
 
     def close(self):
         if self.writer is not None:
             self.writer.close()
-        for name, (_, finish) in self.trackers.items():
-            try:
-                finish()
-            except Exception as e:
-                warn(self.failed(name, e))
+        if self.trackers:
+            self.trackers.close()
 
 
 # ----------------------------------------------------------------------------- data loading
@@ -1490,66 +1718,18 @@ def make_stream(args, corpus, split, tokenizer, seed, shuffle):
 
 
 def make_loader(stream, num_workers, device, timeout_s, persistent=False):
-    """A DataLoader whose workers come from a forkserver, never forked from this process: a rank
-    runs threads (gloo, the TensorBoard writer, OpenMP, pin-memory) and a child forked while one
-    holds a lock can hang before its first line (seen: an eval worker, 1 job in 30 under load). The
-    forkserver is a fresh single-threaded interpreter that imports this script once; a worker then
-    starts in ~0.1 s (BENCHMARKS.md section 14). A worker that sends no batch within timeout_s
-    (--dist-timeout) ends the rank with one line instead of a silent hang."""
-    # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
-    # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # The server imports what a worker unpickles (torch, the stream's and the tokenizer's modules)
-    # once; by default it would preload only __main__, and every worker would import torch itself
-    # (measured: 6-11 s a worker on a loaded 2-core machine, 0.1-0.2 s with these).
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(sorted({"torch", "numpy", type(stream).__module__,
-                                           type(stream.tokenizer).__module__}))
-    # Batches are built inside the workers (batch_size=None): one IPC message per batch.
-    # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
-    return DataLoader(stream, batch_size=None, collate_fn=sparse_targets, num_workers=num_workers,
-                      pin_memory=device.type == "cuda", prefetch_factor=4 if num_workers else None,
-                      worker_init_fn=functools.partial(quiet_worker, trainer_pid=os.getpid()),
-                      generator=torch.Generator(),
-                      multiprocessing_context=context if num_workers else None,
-                      persistent_workers=persistent and num_workers > 0, timeout=timeout_s if num_workers else 0)
-
-
-def quiet_worker(worker_id, trainer_pid):
-    """Ctrl-C and torchrun's SIGTERM go to a whole process group: a worker leaves it, so the trainer
-    decides when to stop (the DataLoader still ends its workers). A worker also ends when its trainer
-    dies: DataLoader's own check watches the worker's parent, which is the forkserver here, and the
-    forkserver lives as long as its workers do (each holds the fd the server watches), so a SIGKILLed
-    or OOM-killed rank would leave its workers waiting forever, holding memory and its stdout."""
-    os.setpgrp()
-    threading.Thread(target=exit_with, args=(trainer_pid,), daemon=True).start()
-
-
-def exit_with(pid):
-    """End this process once process pid has ended (never returns)."""
-    try:
-        select.select([os.pidfd_open(pid)], [], [])  # Linux 5.3+: readable once pid has exited
-    except (AttributeError, OSError):  # no pidfd here: ask every second
-        with contextlib.suppress(ProcessLookupError):
-            while True:
-                os.kill(pid, 0)
-                time.sleep(1)
-    os._exit(0)
+    return data_stream.make_loader(stream, num_workers, device.type == "cuda", timeout_s, sparse_targets, persistent)
 
 
 def sparse_targets(batch):
-    """The DataLoader's collate_fn, so it runs in the worker and its tensors are pinned with the
-    rest: masked positions and targets instead of labels, and the attention mask only where a
-    batch needs one (padding, or packed pairs: their sequence_ids). transformers reads a 2-D mask's
-    `.all()` back from the device on every forward (a host sync); no mask (full mlm windows) or a
-    4-D boolean one it takes as given. Also the batch's host counts (counts_of).
-
-    Sizes 0 and 1 are never symbolic in torch.compile (it specialises them): a batch of one row
-    (an epoch's last) or with 0-1 masked tokens would compile a graph of its own. So such a batch
-    gets a copy of its row, ignored by both losses (no masked position, no [CLS] read in it), a
-    lone pair a second NSP label -100 (cross_entropy's ignore_index) read at position 0, and masked
-    positions are padded to two with target -100: the losses and gradients are the batch's own, and
-    a run holds two graphs (with and without a mask)."""
+    """The DataLoader's collate_fn, so it runs in the worker and its tensors are pinned with the rest:
+    masked positions and targets instead of labels, the real tokens' positions, a 4-D boolean mask
+    only where a batch pads (nothing the model reads back: no host sync), and its host counts.
+    Sizes 0 and 1 are never symbolic in torch.compile (it specialises them): a batch of one row or
+    pair, or with 0-1 masked tokens, would compile a graph of its own. So such a batch gets a copy of
+    its row (no masked position, no [CLS] read in it), a second NSP label -100 (cross_entropy's
+    ignore_index) read at position 0, masked positions padded to two with target -100: the losses and
+    gradients are the batch's own, and a run holds at most two graphs (with and without a mask)."""
     labels, mask = batch.pop("labels"), batch.pop("attention_mask")
     batch.update(counts_of(mask, batch.get("sequence_ids"), batch.get("next_sentence_label")))
     if "next_sentence_label" in batch and "cls_pos" not in batch:  # a pair a row: its [CLS] starts it
@@ -1583,9 +1763,8 @@ def sparse_targets(batch):
 
 
 def counts_of(mask, sequence_ids, nsp_labels):
-    """What a batch holds, counted on the host: samples (pairs, or mlm rows), real (non-pad) tokens,
-    positions computed (rows x width: with padding) and the attention's (query, key) pairs within a
-    sample, sum of length^2 (for the FLOPs of the real work, not of the padding)."""
+    """A batch's samples (pairs, or mlm rows), real tokens, positions in its rows and attention's (query,
+    key) pairs within a sample, sum of length^2 (the FLOPs of the real work, not of the padding)."""
     lengths = mask.sum(1) if sequence_ids is None else torch.bincount(sequence_ids[sequence_ids >= 0])
     return {"num_samples": len(mask) if nsp_labels is None else len(nsp_labels), "num_tokens": int(lengths.sum()),
             "num_computed": mask.numel(), "num_attended": int((lengths**2).sum())}
@@ -1656,21 +1835,23 @@ def exit_now(code):
     job: 1 of 9 short 2-rank jobs under heavy load; 0 of 50 with this exit (BENCHMARKS.md section 14). torchrun
     then reports the job as failed, and with --max-restarts it restarts a finished job. What
     teardown would still do is done before: the summary, the export and the trackers are written,
-    the loaders' workers end with their trainer (quiet_worker), the process group is destroyed."""
+    the loaders' workers end with their trainer (data_stream.quiet_worker), the process group is destroyed."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
 
 
-if __name__ == "__main__":
+def cli(argv=None):
+    """main() with its ends: each kind of failure in one line, a process that ends without teardown."""
     data_stream.check_versions("pretrain_ddp.py")
     try:
-        main()
+        main(argv)
     except USER_ERRORS as e:  # found before the ranks could agree (in the flags): each node says it once
         if GROUP["store"] is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
             say_error(str(e))
         exit_now(2)
     except SystemExit as e:  # the ranks agreed to stop (agree/verify): they leave together
+        e.__traceback__ = None  # main()'s frames go now: their DataLoader workers end before this process
         if e.code == 2:
             leave_group()
         if e.code is not None and not isinstance(e.code, int):
@@ -1688,3 +1869,7 @@ if __name__ == "__main__":
                   "from torchrun, says why")
         exit_now(1)
     exit_now(0)
+
+
+if __name__ == "__main__":
+    cli()

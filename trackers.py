@@ -76,3 +76,33 @@ def start_wandb(out_dir, config, run_id, say, warn):
 
 
 STARTS = {"mlflow": start_mlflow, "wandb": start_wandb}
+
+
+class Trackers:
+    """The trackers named (keys of STARTS): trackers(scalars, step) logs to each, close() ends them. runs:
+    {name: run id}, filled in place (the trainer keeps it in its checkpoints). A tracker that fails (no
+    server, no login, a server gone mid-run) is dropped with one warning line: training goes on."""
+
+    def __init__(self, names, out_dir, config, runs, say, warn):
+        self.live, self.warn = {}, warn
+        for name in names:
+            try:
+                write, finish, runs[name] = STARTS[name](out_dir, config, runs.get(name), say, warn)
+                self.live[name] = (write, finish)
+            except Exception as e:  # whatever the tracker's client raises: it must not end the training
+                warn(failed_line(name, e))
+
+    def __call__(self, scalars, step):
+        for name, (write, _) in list(self.live.items()):
+            try:
+                write(scalars, step)
+            except Exception as e:
+                self.warn(failed_line(name, e))
+                del self.live[name]
+
+    def close(self):
+        for name, (_, finish) in self.live.items():
+            try:
+                finish()
+            except Exception as e:
+                self.warn(failed_line(name, e))

@@ -270,7 +270,7 @@ def test_lr_plan_continues_and_never_jumps_up():
     at_60 = P.lr_factor(plan, 60)
 
     class Flags:
-        epochs, max_steps = 2, None
+        epochs, max_steps, budget = 2, None, None
 
     # at plan position 60: more epochs; --max-steps at twice the planned batch (a step counts 2); fewer steps
     for epochs, max_steps, step, batch, total in ((4, None, 60, 64, 200), (2, 70, 55, 128, 90), (2, 65, 60, 64, 65)):

@@ -1,0 +1,133 @@
+"""Training for a time budget and the LR schedules (issue 38). Every process is bounded by a timeout."""
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+from test_checkpoints import common, crash_at, final_weights, run_until
+from test_pretrain_ddp import logged, summary
+
+import estimate_steps
+import pretrain_ddp as P
+
+
+class Flags:
+    warmup, schedule, decay, epochs, max_steps, budget = 0.1, "linear", 0.2, 2, None, None
+
+
+def test_schedules_cosine_and_wsd_and_their_extensions():
+    """linear/cosine fall from the end of warmup to 0 at the total; wsd holds the peak until its last
+    --decay, then falls linearly to 0. A resume that moves the end: a wsd plan in its stable phase keeps
+    the peak and decays over the new end's last 20%; a decaying plan goes on from today's LR; the LR
+    never jumps up. The trainer and estimate_steps.py place warmup and decay alike."""
+    curves = {}
+    for schedule in ("linear", "cosine", "wsd"):
+        Flags.schedule = schedule
+        plan = P.plan_of(Flags, 100, 50.0, 64)
+        curves[schedule] = [P.lr_factor(plan, pos) for pos in range(101)]
+        assert plan["warmup"] == estimate_steps.warmup_steps(0.1, 100) == 10
+        assert plan["decay_from"][0] == estimate_steps.decay_start(schedule, 0.2, 10, 100)
+        assert curves[schedule][0] == 0.1 and curves[schedule][9] == 1.0 and curves[schedule][100] == 0.0
+        assert all(a >= b for a, b in zip(curves[schedule][9:], curves[schedule][10:], strict=False))
+    assert curves["linear"][55] == pytest.approx(0.5) and curves["cosine"][55] == pytest.approx(0.5)
+    assert curves["cosine"][30] > curves["linear"][30] and curves["cosine"][80] < curves["linear"][80]
+    assert curves["wsd"][80] == 1.0 and curves["wsd"][90] == pytest.approx(0.5)
+    Flags.schedule = "wsd"
+    plan = P.plan_of(Flags, 100, 50.0, 64)
+    Flags.epochs = 4  # at position 60, stable: the new end is 200, the decay its last 20%
+    longer = P.replan(plan, 60, 60, Flags, 64)
+    assert longer["total"] == 200 and longer["decay_from"] == [160, 1.0]
+    assert [P.lr_factor(longer, pos) for pos in (60, 159, 180, 200)] == [1.0, 1.0, pytest.approx(0.5), 0.0]
+    decaying = P.replan(plan, 90, 90, Flags, 64)  # at position 90, decaying: from today's LR to the new end
+    assert P.lr_factor(decaying, 90) == pytest.approx(P.lr_factor(plan, 90)) and P.lr_factor(decaying, 200) == 0
+    assert all(P.lr_factor(decaying, p) >= P.lr_factor(decaying, p + 1) for p in range(90, 200))
+    Flags.epochs, Flags.schedule = 2, "linear"
+
+
+def test_durations_and_the_estimator_s_time_answer(tmp_path):
+    assert [estimate_steps.duration(t) for t in ("6h", "90m", "45s", "1h30m", "0.5h")] == [21600, 5400, 45, 5400,
+                                                                                          1800]
+    for bad in ("", "6", "h", "-1h", "0s", "6 hours"):
+        with pytest.raises(Exception, match="is not a time such as 6h, 90m, 45s"):
+            estimate_steps.duration(bad)
+    summary_path = tmp_path / "summary.json"
+    summary_path.write_text(json.dumps({"steps_per_hour": 7200}))
+    assert estimate_steps.step_time(str(summary_path)) == 0.5
+    answer = estimate_steps.time_answer(1000, 0.5, 300)
+    assert (answer["epochs_seconds"], answer["budget_steps"], answer["limit"]) == (500, 600, "budget")
+    assert estimate_steps.time_answer(1000, 0.5, 3600)["limit"] == "epochs"
+    assert estimate_steps.time_answer(1000, 0.5, 60)["limit"] == "budget"
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tokenizer, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+BUDGET = ["--budget", "20s", "--epochs", "50", "--num-workers", "0", "--save-every", "20", "--log-every", "1"]
+
+
+@pytest.mark.slow
+def test_a_budget_run_ends_on_its_budget_and_resumes_bitwise(tmp_path, corpus, tok_dir):
+    """--budget 20s: the run plans its steps from a calibration (put back: step 1 runs on the final plan),
+    ends within 10% of the budget in training time (plus however much this machine's speed moved between
+    the calibration and the run: a plan is never re-made), its LR plan ends at its last step. SIGKILLed
+    after its first checkpoint and resumed (no new calibration), it ends bitwise equal to a plain run of
+    the steps it planned."""
+    out = str(tmp_path / "budget")
+    rc, stdout, err = run_until([sys.executable, *common(corpus, tok_dir, out), *BUDGET])
+    assert rc == 0, err[-3000:]
+    s = summary(out)
+    budget, plan = s["budget"], s["lr_plan"]
+    assert s["steps"] == plan["total"] == budget["steps_fit"] and s["lr_plan_position"] == plan["total"]
+    assert P.lr_factor(plan, s["lr_plan_position"]) == 0 and budget["limit"] == "budget"
+    speed_moved = abs(3600 / s["steps_per_hour"] / budget["train_step_s"] - 1)
+    assert abs(s["train_seconds"] / 20 - 1) <= 0.10 + speed_moved, (s["train_seconds"], budget, speed_moved)
+    assert re.search(r"^--budget 0h00m20s: a step takes [\d.]+ s here, [\d.]+ s with eval, checkpoints and exports "
+                     r"by their share; the calibration took [\d.]+ s: planned [\d,]+ steps \([\d.]+ epochs\)", stdout,
+                     re.M), stdout[:3000]
+    killed = str(tmp_path / "killed")
+    cmd = [sys.executable, *common(corpus, tok_dir, killed), *BUDGET]
+    rc, stdout, _ = run_until(cmd, crash_at(r"^step 23:"))
+    assert rc != 0 and "saved" in stdout
+    rc, stdout, err = run_until(cmd)
+    assert rc == 0 and "resumed from" in stdout and "the calibration took" in stdout, err[-3000:]
+    total = summary(killed)["lr_plan"]["total"]
+    assert summary(killed)["steps"] == total
+    plain = str(tmp_path / "plain")
+    rc, _, err = run_until([sys.executable, *common(corpus, tok_dir, plain), *BUDGET[2:], "--max-steps", str(total)])
+    assert rc == 0, err[-3000:]
+    a, b = final_weights(plain), final_weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_wsd_extends_in_its_stable_phase_and_a_decay_branches_off_with_init_from(tmp_path, corpus, tok_dir):
+    """A wsd run of 20 steps (decay over the last 4) resumed from its stable checkpoint of step 12 with
+    --max-steps 40: the LR stays at its peak until step 32 and decays to 0 at 40 (no jump). A decay
+    branched off the stable checkpoint with --init-from --warmup 0 --decay 1: the LR starts at the peak
+    and falls linearly to 0 over its 10 steps."""
+    out = str(tmp_path / "wsd")
+    args = [*common(corpus, tok_dir, out), "--schedule", "wsd", "--lr", "1e-3", "--warmup", "0.1", "--save-every",
+            "4", "--keep-last", "10", "--num-workers", "0"]
+    rc, stdout, err = run_until([sys.executable, *args, "--max-steps", "20"])
+    assert rc == 0, err[-3000:]
+    lr = logged(stdout, "train/lr")
+    assert lr[2] == pytest.approx(1e-3) and lr[17] == pytest.approx(1e-3) and lr[18] < 1e-3 and lr[20] < lr[19]
+    rc, stdout, err = run_until([sys.executable, *args, "--max-steps", "40", "--resume",
+                                 os.path.join(out, "checkpoints", "step_000012")])
+    assert rc == 0 and "resumed from" in stdout, err[-3000:]
+    lr = logged(stdout, "train/lr")
+    assert min(lr.values()) == lr[40] and lr[40] == pytest.approx(1e-3 / 8)  # step 40 runs at position 39
+    assert all(lr[k] == pytest.approx(1e-3) for k in range(13, 34)) and lr[34] < 1e-3
+    branch = str(tmp_path / "branch")
+    rc, stdout, err = run_until([sys.executable, *common(corpus, tok_dir, branch), "--init-from",
+                                 os.path.join(out, "checkpoints", "step_000012"), "--schedule", "wsd", "--decay", "1",
+                                 "--warmup", "0", "--lr", "1e-3", "--max-steps", "10", "--num-workers", "0"])
+    assert rc == 0, err[-3000:]
+    lr = logged(stdout, "train/lr")
+    assert [round(lr[k] / 1e-4, 6) for k in range(1, 11)] == [10, 9, 8, 7, 6, 5, 4, 3, 2, 1]

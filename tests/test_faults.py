@@ -1,0 +1,166 @@
+"""Faults long runs meet (issue 39): a full disk, a second job in the same out dir, a loss that turns NaN.
+Every process is bounded by a timeout; the disk is a small tmpfs in a mount namespace of the test's own."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_checkpoints import TORCHRUN, common, final_weights, kill_all, run_until
+from test_pretrain_ddp import env, summary
+
+INJECT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject.py")
+ONE_LINE = re.compile(r"^pretrain_ddp.py: error: ", re.M)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tokenizer, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok"))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def folder_bytes(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def errors_of(err):
+    """The error lines of a run's stderr, which must hold no traceback of ours (torchrun prints its own
+    on a failed child)."""
+    assert not re.search(r'File "[^"]*(pretrain_ddp|data_stream|estimate_steps)\.py"', err), err[-3000:]
+    return [line for line in err.splitlines() if ONE_LINE.match(line)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_full_disk_stops_in_one_line_and_loses_nothing(tmp_path, corpus, tok_dir, nproc):
+    """The out dir on a tmpfs that holds the first checkpoint, not the second: one line naming the
+    checkpoint, the file system, its free and the needed space and the checkpoint kept; every rank
+    stops (code 2); no half-written folder. Then room for the checkpoints but not the Hugging Face
+    export (1 rank): the final checkpoint is saved, the export is one line. With room, the same
+    command resumes and ends bitwise equal to a run that never lacked it."""
+    launch = [*TORCHRUN, "--nproc_per_node", "2"] if nproc == 2 else [sys.executable]
+    args = ["--max-steps", "8", "--save-every", "4", "--num-workers", "0"]
+    ref = str(tmp_path / "ref")
+    rc, _, err = run_until([*launch, *common(corpus, tok_dir, ref), *args])
+    assert rc == 0, err[-3000:]
+    ckpt = folder_bytes(os.path.join(ref, "checkpoints", "step_000004"))
+    base = folder_bytes(os.path.join(ref, "tokenizer")) + 200_000
+    sizes = [base + int(1.5 * ckpt), base + int(2.3 * ckpt)] if nproc == 1 else [base + int(1.5 * ckpt)]
+    mount, logs = str(tmp_path / "disk"), tmp_path / "logs"
+    os.makedirs(mount)
+    os.makedirs(logs)
+    cmd = " ".join([*launch, *common(corpus, tok_dir, os.path.join(mount, "run")), *args])
+    script = [f"mount -t tmpfs -o size={sizes[0]} tmpfs {mount}"]
+    for k, size in enumerate([*sizes[1:], 200_000_000]):  # each run on the disk it got, then a bigger one
+        script += [f"{cmd} > {logs}/{k}.out 2> {logs}/{k}.err; echo $? > {logs}/{k}.rc",
+                   f"ls -a {mount}/run {mount}/run/checkpoints > {logs}/{k}.ls",
+                   f"mount -o remount,size={size} {mount}"]
+    script += [f"{cmd} > {logs}/{len(sizes)}.out 2> {logs}/{len(sizes)}.err; echo $? > {logs}/{len(sizes)}.rc",
+               f"cp -r {mount}/run {tmp_path}/run"]
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", "; ".join(script)], capture_output=True, text=True,
+                          timeout=600, env=env())
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def log(k, kind):
+        return (logs / f"{k}.{kind}").read_text()
+    assert log(0, "rc").strip() == ("2" if nproc == 1 else "1"), log(0, "err")[-3000:]  # torchrun's: 1
+    [line] = errors_of(log(0, "err"))  # said once, by rank 0
+    assert re.search(rf"cannot write checkpoint step_000008 into {mount}/run/checkpoints: No space left on device "
+                     rf"on the file system at {mount} \([\d,]+ MB free, about [\d,]+ MB needed\); "
+                     rf"{mount}/run/checkpoints/step_000004 is the newest complete checkpoint: free space", line), line
+    assert ".tmp-step_000008" not in log(0, "ls") and "step_000008" not in log(0, "ls")
+    if nproc == 2:
+        for k in range(2):  # every rank stopped by itself, with code 2 (torchrun's report)
+            assert re.search(rf"rank\s*: {k} \(local_rank: {k}\)\s*exitcode\s*: 2 ", log(0, "err")), log(0, "err")
+    else:
+        assert log(1, "rc").strip() == "2", log(1, "err")[-3000:]
+        [line] = errors_of(log(1, "err"))
+        assert "resumed from" in log(1, "out") and "saved" in log(1, "out")
+        assert re.search(rf"cannot write the Hugging Face export {mount}/run/hf: No space left on device .*the "
+                         "checkpoint holds the weights", line), line
+        assert ".tmp-hf" not in log(1, "ls") and "hf" not in log(1, "ls").split()
+    last = len(sizes)
+    assert log(last, "rc").strip() == "0", log(last, "err")[-3000:]
+    a, b = final_weights(ref), final_weights(str(tmp_path / "run"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert os.path.isfile(os.path.join(tmp_path, "run", "hf", "config.json"))
+
+
+@pytest.mark.slow
+def test_a_second_job_in_a_busy_out_dir_stops_before_it_trains(tmp_path, corpus, tok_dir):
+    """Rank 0 holds a lock on the out dir: a second job into it stops within seconds, in one line
+    naming the out dir and the holder; once the first is SIGKILLed (the kernel drops its lock), a
+    job starts normally and resumes what it left."""
+    out = str(tmp_path / "run")
+    first = [*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, out), "--max-steps", "100000",
+             "--save-every", "3", "--num-workers", "0"]
+    proc = subprocess.Popen(first, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
+                            start_new_session=True)
+    try:
+        for line in proc.stdout:  # training, and a checkpoint to resume
+            if line.startswith("saved"):
+                break
+        t0 = time.time()
+        rc, stdout, err = run_until([sys.executable, *common(str(corpus), tok_dir, out), "--max-steps", "5"],
+                                    timeout=120)
+        took = time.time() - t0
+        assert rc == 2 and "step 1:" not in stdout, stdout + err
+        [line] = errors_of(err)
+        assert re.search(rf"--out-dir {out} is in use by another job \(held by host \S+, pid \d+, since [\d-]+ "
+                         r"[\d:]+\): let it finish or stop it, or give another --out-dir", line), line
+        assert took < 60, took
+    finally:
+        kill_all(proc, first)
+        proc.wait()
+    rc, stdout, err = run_until([sys.executable, *common(str(corpus), tok_dir, out), "--max-steps", "5"])
+    assert rc == 0 and "resumed from" in stdout, err[-3000:]
+
+
+@pytest.mark.slow
+def test_nan_gradients_are_skipped_by_every_rank_and_repeated_ones_roll_back(tmp_path, corpus, tok_dir, monkeypatch):
+    """A NaN loss on rank 1 alone at step 3 makes every rank's all-reduced gradient NaN: every rank skips
+    that step (the weights stay finite, the step still counts). NaN at steps 9-12: after 3 in a row the
+    ranks roll back together to the checkpoint of step 8 (at step 11, a log step) and go on with the data
+    after it; the run finishes finite. The report counts 5 skipped steps and 1 rollback."""
+    out = str(tmp_path / "run")
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", INJECT, *common(str(corpus), tok_dir, out)[1:], "--max-steps",
+           "16", "--save-every", "4", "--rollback-after", "3", "--num-workers", "0"]
+    monkeypatch.setenv("INJECT", "nan_grad=1:3,9,10,11,12")
+    rc, stdout, err = run_until(cmd)
+    assert rc == 0, err[-3000:]
+    assert re.search(rf"^3 steps in a row up to step 11 had an inf/NaN gradient \(skipped\): rolled the weights and "
+                     rf"optimizer back to {out}/checkpoints/step_000008; the data goes on after step 11 \(the "
+                     r"batches since step 8 are not replayed\)$", stdout, re.M), stdout[-3000:]
+    s = summary(out)
+    assert s["steps"] == 16 and s["skipped_steps"] == 5 and s["rollbacks"] == 1
+    assert all(torch.isfinite(t).all() for t in final_weights(out).values())
+    losses = [float(v) for v in re.findall(r"train/loss ([^,]+),", stdout)]
+    assert len(losses) == 16 and sum(x != x for x in losses) == 5  # the skipped steps' own loss
+
+
+@pytest.mark.slow
+def test_what_a_rollback_cannot_mend_stops_the_run_and_non_finite_weights_are_never_saved(tmp_path, corpus, tok_dir,
+                                                                                          monkeypatch):
+    """NaN from step 2 on with no checkpoint yet: one line, a non-zero exit. Weights made NaN after step
+    5: the save at step 6 is refused in one line (a NaN checkpoint would rotate the good ones out) and
+    the newest checkpoint stays the one of step 3."""
+    base = [sys.executable, INJECT, *common(str(corpus), tok_dir, "OUT")[1:], "--num-workers", "0"]
+    cases = {"nan_grad=0:" + ",".join(map(str, range(2, 30))): (["--rollback-after", "3", "--max-steps", "20"],
+                                                               r"steps in a row up to step \d+ had an inf/NaN gradient "
+                                                               r"\(skipped\), and there is no checkpoint to roll back "
+                                                               r"to: lower --lr"),
+             "nan_weights=5": (["--max-steps", "12", "--save-every", "3"],
+                               r"the weights at step 6 are not finite: not saved; \S+/checkpoints/step_000003 is the "
+                               r"newest complete checkpoint")}
+    for k, (inject, (flags, expected)) in enumerate(cases.items()):
+        out = str(tmp_path / f"run{k}")
+        monkeypatch.setenv("INJECT", inject)
+        rc, _, err = run_until([out if a == "OUT" else a for a in base] + flags)
+        assert rc == 2, err[-3000:]
+        [line] = errors_of(err)
+        assert re.search(expected, line), line
+    assert open(os.path.join(tmp_path, "run1", "checkpoints", "latest")).read() == "step_000003"
+    assert sorted(os.listdir(os.path.join(tmp_path, "run1", "checkpoints"))) == ["latest", "step_000003"]
