@@ -46,3 +46,18 @@ def corpus(tmp_path_factory):
 def tokenizer(corpus):
     import data_stream
     return data_stream.get_tokenizer(None, [corpus], vocab_size=300)
+
+
+def release_out_dir_locks():
+    """A test that runs pretrain_ddp's plan_run or main() in this process holds its out dir's lock (a
+    process holds it for its life): drop it, so that runs started after it can use the out dir."""
+    locks = getattr(sys.modules.get("pretrain_ddp"), "OUT_DIR_LOCK", {})
+    for f in locks.values():
+        f.close()
+    locks.clear()
+
+
+@pytest.fixture(autouse=True)
+def out_dir_locks_released():
+    yield
+    release_out_dir_locks()

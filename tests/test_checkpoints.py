@@ -20,7 +20,7 @@ import zipfile
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, release_out_dir_locks
 from test_pretrain_ddp import SCRIPT, env, summary
 
 import pretrain_ddp as P
@@ -236,6 +236,7 @@ def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
         with pytest.raises(P.UserError) as error:
             P.plan_run(P.parse_args([*base[2:], *extra]), 1, torch.device("cpu"), None, {})
         assert all(m in str(error.value) for m in messages) and "\n" not in str(error.value), (extra, error.value)
+    release_out_dir_locks()  # this process planned in the out dir: the runs below are other processes
     # Another world size, from step 8 (LR not yet 0): a warning, then the rest of the run.
     rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *base[1:], "--max-steps", "12", "--resume",
                                  os.path.join(out, "checkpoints", "step_000008")])
@@ -383,6 +384,7 @@ def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, 
     with pytest.raises(P.UserError) as error:  # where rank 0 plans the run; __main__: one line, exit code 2
         P.plan_run(P.parse_args(base[2:]), 1, torch.device("cpu"), None, {})
     assert "the corpus changed" in str(error.value) and "--allow-corpus-change" in str(error.value), error.value
+    release_out_dir_locks()
     rc, stdout, err = run_until([*base, "--allow-corpus-change"])
     assert rc == 0 and "epoch 0 restarts on the new corpus" in err and "resumed from" in stdout, err[-3000:]
     rc, stdout, err = run_until(base)  # the new corpus is the run's now
