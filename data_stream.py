@@ -26,14 +26,13 @@ The layers, one section each, top to bottom, each using only the ones above it:
    document, purpose).
 5. Order and shards: each epoch permutes the documents and cuts them into ranks x workers
    byte-balanced shards; a worker keeps --shuffle-docs documents open and draws each sample from
-   one of them, chosen with probability proportional to what it has left, so a batch mixes many
-   documents and the mixture stays the same from the start of an epoch to its end; it takes the
-   samples in blocks of --shuffle-block and reads each block in a random order, so a document's
-   samples do not come in the order of its text. Its cursor (where the pool was when the block
-   began, how much of the block was used) is small and exact; a resume on another number of
-   shards goes on from the cursors of all of them.
-6. The stream: BertPretrainStream, the IterableDataset that holds the state (epoch, the cursor to
-   resume from, what the trainer consumed: `stream.consumed(batch["cursor"])`, `stream.state_dict()`).
+   one of them, with probability proportional to what it has left (a document is read at its first
+   draw), so a batch mixes many documents alike all epoch; it reads the samples in blocks of
+   --shuffle-block, each in a random order, so a document's samples do not come in the order of its
+   text. Its cursor is small and exact; a resize goes on from the cursors of all old shards.
+6. The stream: BertPretrainStream, the IterableDataset that holds the state (epoch, the cursor to resume
+   from, what the trainer consumed: `stream.consumed(batch["cursor"])`, `stream.state_dict()`), and
+   make_loader, its DataLoader with workers from a forkserver that end with their trainer.
 7. CLI: the data flags every script shares (add_data_args, stream_from_args), --show, --build-cache.
 """
 
@@ -101,15 +100,20 @@ def atomic_write(path, write, mode="wb"):
             os.remove(tmp)
 
 
-def write_error(what, path, error, needed=None):
-    """One line for a write that failed for an OSError (found in the error's context: torch.save reports
-    a full disk as a RuntimeError raised while handling it, safetensors as "(os error 28)"): what, why,
-    the file system, its free space and what was needed. None for an error with no OSError behind it."""
-    while error is not None and not isinstance(error, OSError):
-        code = re.search(r"\(os error (\d+)\)", str(error))  # how Rust libraries (safetensors) say theirs
-        error = OSError(int(code[1]), os.strerror(int(code[1]))) if code else error.__context__
-    if error is None:
+def try_write(write, what, path, needed=None):
+    """write(); None if it worked, else one line for a write that failed for an OSError, found in the
+    error's context (torch.save reports a full disk as a RuntimeError raised while handling it, safetensors
+    as "(os error 28)"): what, why, the file system of path, its free space, what was needed."""
+    try:
+        write()
         return None
+    except Exception as failed:  # one without an OSError behind it is raised
+        error = failed
+        while error is not None and not isinstance(error, OSError):
+            code = re.search(r"\(os error (\d+)\)", str(error))  # how Rust libraries (safetensors) say theirs
+            error = OSError(int(code[1]), os.strerror(int(code[1]))) if code else error.__context__
+        if error is None:
+            raise
     mount = os.path.realpath(path)
     while not os.path.ismount(mount):
         mount = os.path.dirname(mount)
@@ -740,12 +744,11 @@ class TokenCache:
                   "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest()}
         self.pending, self.pending_tokens = [], 0
         path = os.path.join(self.dir, f"{uuid.uuid4().hex}.piece")
-        try:
-            os.makedirs(self.dir, exist_ok=True)
-            atomic_write(path, lambda f: f.writelines([json.dumps(header).encode() + b"\n", payload]))
-        except OSError as e:
+        failed = try_write(lambda: os.makedirs(self.dir, exist_ok=True) or atomic_write(
+            path, lambda f: f.writelines([json.dumps(header).encode() + b"\n", payload])), self.dir, self.dir)
+        if failed:
             self.writable = False
-            warnings.warn(f"token cache: {write_error(self.dir, self.dir, e)}; going on without it", stacklevel=2)
+            warnings.warn(f"token cache: {failed}; going on without it", stacklevel=2)
 
 
 def token_cache_for(setting, corpus, tokenizer):

@@ -7,15 +7,14 @@ Pretrain a BERT from scratch with DistributedDataParallel, on one CPU, one GPU o
         --rdzv-id bert1 --max-restarts 3 pretrain_ddp.py --amp   # on each of two nodes
     tensorboard --logdir runs
 
-Top to bottom: the flags, the model, a training step and an evaluation, then main(), the run as
-a story (decide the run, build or restore, the loop, finish); after it the machinery main() calls,
-in sections. The choices that matter for speed and robustness are commented where they are made.
+Top to bottom: the flags, the model, a training step and an evaluation, then main(), the run as a story
+(decide the run, build or restore, the loop, finish); after it, in sections, the machinery main() calls.
 """
 
 import argparse
 import contextlib
-import copy
 import fcntl
+import functools
 import hashlib
 import importlib
 import inspect
@@ -74,9 +73,8 @@ def parse_args(argv=None):
                        help="torch.compile the model (pays on GPUs; on CPUs it measured no gain for a long compile)")
 
     optim = p.add_argument_group("optimization")
-    # The defaults (batch 16, lr 2e-3, 5 epochs) take the default tiny model on the builtin corpus off the
-    # frequent-token plateau within ~3 minutes on 2 CPU cores (15% eval MLM accuracy; batch 32, lr 1e-3,
-    # 3 epochs ended at 9.3%: BENCHMARKS.md section 11). Bigger models want a lower lr.
+    # The defaults (batch 16, lr 2e-3, 5 epochs) take tiny on builtin off the frequent-token plateau in ~3 min
+    # on 2 CPU cores (15% eval MLM accuracy; batch 32, lr 1e-3, 3 epochs: 9.3%). Bigger models want a lower lr.
     optim.add_argument("--batch-size", type=number(int, 1), default=16, help="micro-batch per rank")
     optim.add_argument("--accum-steps", type=number(int, 1), default=1, help="micro-batches per optimizer step")
     optim.add_argument("--lr", type=number(float, 0), default=2e-3,
@@ -235,16 +233,14 @@ class Pretraining(torch.nn.Module):
             return t.view(*rows, att.num_attention_heads, att.attention_head_size).transpose(1, 2)
         a = F.scaled_dot_product_attention(*(in_rows(f(x)) for f in (att.query, att.key, att.value)), attn_mask=mask,
                                            dropout_p=att.dropout.p if self.training else 0.0)
-        a = a.transpose(1, 2).flatten(2).flatten(0, 1)
-        a = a if real_pos is None else a.index_select(0, real_pos)
+        a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
         if reads is not None:
             a, x = a.index_select(0, reads), x.index_select(0, reads)
         a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
         return layer.output(layer.intermediate(a), a)
 
 
-# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there);
-# older torch knows only the old name.
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there; older: only it)
 NO_BUFFER_SYNC = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
                   else "broadcast_buffers": False}
 
@@ -293,15 +289,11 @@ def new_optimizer(raw_model, lr, weight_decay):
 # ----------------------------------------------------------------------------- training: a step, an eval, main()
 
 def train_step(model, optimizer, scaler, window, global_masked, global_samples, world_size, amp_ctx, clip, lr):
-    """One optimizer step at learning rate lr over a window of micro-batches. Returns, as device
-    tensors (no host sync): the loss sums, the grad norm, and 1 where the step was skipped because a
-    gradient was inf or NaN (else 0). A skipped step still counts as a step, as in the Hugging Face
-    Trainer and nanoGPT: knowing it on the host would cost a sync per step.
-
-    Each micro-batch's loss is its sum of token losses over the *global* masked-token count
-    (x world_size, since DDP averages gradients over ranks): the gradient is then exactly that
-    of one big batch, however the masked tokens fall across ranks and micro-batches.
-    """
+    """One optimizer step at learning rate lr over a window of micro-batches. Returns, as device tensors
+    (no host sync): the loss sums, the grad norm, 1 if the step was skipped for an inf/NaN gradient (it
+    still counts as a step, as in the Trainer and nanoGPT: knowing it on the host would cost a sync).
+    Each micro-batch's loss is its sum of token losses over the *global* masked-token count (x world_size:
+    DDP averages over ranks), so the gradient is one big batch's, however the tokens fall."""
     for group in optimizer.param_groups:
         group["lr"] = lr
     sums = None
@@ -317,9 +309,8 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
     scaler.unscale_(optimizer)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-    # A non-finite gradient is never applied (it would poison AdamW's moments). Every rank holds the same
-    # all-reduced gradients, so all skip the same steps, with no collective. fp16's GradScaler skips its
-    # overflows; otherwise the fused AdamW skips on the device, told by found_inf as GradScaler tells it.
+    # An inf/NaN gradient is never applied (it would poison AdamW). All ranks hold the same all-reduced ones:
+    # all skip alike. GradScaler skips fp16's; else the fused AdamW skips on the device (found_inf).
     skipped = (~torch.isfinite(grad_norm)).float()
     if scaler.is_enabled():
         scaler.step(optimizer)
@@ -330,8 +321,7 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
         del optimizer.found_inf
     elif not skipped:  # an optimizer that takes no found_inf: a host read (the trainer's AdamW is fused)
         optimizer.step()
-    # Under DDP the gradients are views into its all_reduce buckets (gradient_as_bucket_view):
-    # zeroing keeps them, set_to_none would drop them and DDP would copy into new tensors each step.
+    # DDP's gradients are views into its buckets (gradient_as_bucket_view): zeroed, not set to None
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
     return sums, grad_norm, skipped
 
@@ -346,7 +336,6 @@ def evaluate(model, loader, device, amp_ctx, world_size, nsp):
         with amp_ctx:
             sums += model(**batch).double()
         masked, samples = masked + counts["num_masked"], samples + counts["num_samples"]  # host counts: no copy
-
     sums = torch.cat([sums, torch.tensor([masked, samples], dtype=torch.float64, device=device)])
     if world_size > 1:
         dist.all_reduce(sums)
@@ -413,21 +402,19 @@ def main(argv=None):
         if eval_stream is not None else None
     meter = new_meter(device, amp_dtype, progress)
     if args.budget and not run["path"]:  # a resume continues the stored plan
-        plan = plan_budget(args, run, model, trainer, stream, eval_loader, tokenizer, device, amp_ctx, meter)
+        plan = plan_budget(args, run, model, trainer, stream, eval_loader, device, amp_ctx, meter)
     if plan.get("budget"):  # the plan's steps end a --budget run, not the epochs
         step_limit = min(step_limit, progress["step"] + round((plan["total"] - run["plan_pos"]) / step_in_plan))
     eval_metrics, train_loss, grad_norm, stopped, last_eval_step = {}, float("nan"), None, False, None
     while progress["epoch"] < args.epochs and progress["step"] < step_limit and not stopped:
         start_epoch(stream, progress["epoch"], resume_data, args.num_workers)
         resume_data = None
-        # A new loader per epoch: its workers receive the stream with this epoch's order (a persistent
-        # worker would keep the one it started with). They start from the forkserver: ~0.1 s.
+        # A new loader per epoch: its workers get this epoch's order (from the forkserver: ~0.1 s)
         batches = iter(make_loader(stream, args.num_workers, device, timeout_s))
         data_ended = False
         while progress["step"] < step_limit:
             window, cursors, counts = next_window(batches, args, device, hf_model.config, meter)
-            # The one collective per step: does every rank hold a full window? (SUM of 0/1),
-            # global masked tokens and samples (to normalise the loss exactly), a stop request.
+            # The one collective per step: every rank's full window? (SUM of 0/1), the global counts, a stop
             full, *totals, g_stop = all_reduce_ctrl([len(window) == args.accum_steps, *counts, len(stop_signal)])
             if full < world_size or g_stop:
                 stopped, data_ended = bool(g_stop), not g_stop
@@ -509,12 +496,9 @@ def default_num_workers(device):
 
 
 def cpu_has_native_bf16():
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        return any(flag in f.read() for flag in ("avx512_bf16", "amx_bf16"))
+    return False
 
 
 def choose_amp_dtype(args, device):
@@ -522,8 +506,7 @@ def choose_amp_dtype(args, device):
     if not args.amp:
         return None
     if device.type == "cuda":
-        # bf16 only where tensor cores compute it (Ampere and later): is_bf16_supported() also says yes
-        # on V100/T4, which emulate it slowly; fp16 + GradScaler is their fast path.
+        # bf16 only where tensor cores compute it (is_bf16_supported() says yes on V100/T4, emulating it)
         if args.amp_dtype == "fp16" or (args.amp_dtype == "auto" and
                                         not torch.cuda.is_bf16_supported(including_emulation=False)):
             return torch.float16
@@ -557,10 +540,9 @@ def train_flops(config, counts):
     return 3 * (counts["num_tokens"] * per_token + attention + head)
 
 
-# Dense (no sparsity) peak FLOP/s from the vendors' data sheets: (bf16/fp16 tensor cores, TF32, fp32).
-# A key matches whole words of the device name ("NVIDIA H100 PCIe", "Tesla V100-PCIE-16GB"), the
-# longest key first ("H100 PCIe" before "H100"): "RTX A1000" is no A100 and "T400" no T4, and an
-# unknown GPU gets no MFU rather than a wrong one. V100 and T4 have no TF32: fp32 there.
+# Dense peak FLOP/s from the data sheets: (bf16/fp16 tensor cores, TF32, fp32; V100 and T4: no TF32). A key
+# matches whole words of the name, the longest first ("H100 PCIe" before "H100"; "T400" is no T4): an unknown
+# GPU gets no MFU rather than a wrong one.
 GPU_PEAKS = {"GB200": (2500e12, 1250e12, 80e12), "B200": (2250e12, 1100e12, 75e12),
              "H200 NVL": (835e12, 418e12, 60e12), "H200": (989e12, 494e12, 67e12), "GH200": (989e12, 494e12, 67e12),
              "H100 PCIe": (756e12, 378e12, 51e12), "H100 NVL": (835e12, 418e12, 60e12),
@@ -588,8 +570,7 @@ def peak_flops(device, amp_dtype):
         if peak is None and GROUP["rank"] == 0:
             warn(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to GPU_PEAKS)")
         return peak
-    # Timed once per machine and thread count, then kept in the cache: the matmuls take ~2.4 s on
-    # a core, on every rank of every launch otherwise. (Delete cpu_peak.json there to time again.)
+    # Timed once per machine and thread count and cached (~2.4 s on a core); delete cpu_peak.json to redo it
     path, key = os.path.join(data_stream.CACHE_DIR, "cpu_peak.json"), f"{HOST} {torch.get_num_threads()} threads"
     try:
         with open(path) as f:
@@ -612,10 +593,9 @@ def peak_flops(device, amp_dtype):
 
 
 # ----------------------------------------------------------------------------- agreement between ranks
-# Rank 0 decides, every rank verifies, and a rank that disagrees stops every rank with one line
-# naming itself. Nothing here needs a shared file system: what rank 0 decided (out dir, checkpoint,
-# tokenizer, LR plan) travels over the process group, and every yes/no that gates a collective is
-# agreed on by all ranks first, so no rank is ever left waiting in a collective the others skipped.
+# Rank 0 decides, every rank verifies, a rank that disagrees stops every rank with one line naming itself.
+# What rank 0 decided travels over the process group (no shared file system), and every yes/no that gates
+# a collective is agreed on by all ranks first: no rank waits in a collective the others skipped.
 HOST = socket.gethostname()
 PREPARE_TIMEOUT = timedelta(hours=24)  # rank 0 may train a tokenizer and count a corpus meanwhile
 GROUP = {"rank": 0, "world_size": 1, "store": None, "ctrl": None}
@@ -639,16 +619,12 @@ def say_error(message):
 
 
 def join_group(device, timeout, newest_step):
-    """Create the process group in a namespace that every rank of this launch agrees on.
-
-    torchrun's restarts (--max-restarts) keep the store of the dead group, and each agent counts
-    its own restarts (TORCHELASTIC_RESTART_COUNT differs between nodes: PyTorch issue 135712), so
-    neither tells a restarted rank which keys are current. torchrun's rank 0 names a fresh
-    namespace; every other rank posts a random nonce and waits for the name under it: only a live
-    rank 0 answers. In the namespace, rank 0 of the process group becomes a process that sees the
-    newest checkpoint (newest_step, from its own out dir): with node-local out dirs, a restart
-    that moved torchrun's rank 0 to another node still resumes, and nothing else changes.
-    """
+    """Create the process group in a namespace every rank of this launch agrees on. torchrun's restarts
+    keep the dead group's store, and each agent counts its own restarts (PyTorch issue 135712), so
+    neither tells a restarted rank which keys are current: torchrun's rank 0 names a fresh namespace;
+    every other rank posts a random nonce and waits for the name under it (only a live rank 0 answers).
+    There, rank 0 becomes a process that sees the newest checkpoint (newest_step, in its own out dir):
+    a restart that moved torchrun's rank 0 to another node still resumes."""
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     GROUP.update(rank=rank, world_size=world_size)
     if world_size == 1:
@@ -777,11 +753,9 @@ def all_reduce_ctrl(values):
 
 
 def leave_group():
-    """Every rank leaves together: rank 0's writes are done and every DataLoader worker has ended;
-    then one barrier (rank 0 may have written a large export meanwhile) and every group destroyed,
-    before the interpreter tears down. A rank that exited while a peer still used the group, or a
-    group left to interpreter teardown, could abort on a gloo thread ('terminate called without an
-    active exception'), and torchrun then reports (and with --max-restarts restarts) a finished job."""
+    """Every rank leaves together (rank 0's writes done, the DataLoader workers ended): one barrier, then
+    every group destroyed before teardown. A rank that left while a peer used the group, or a group left
+    to teardown, could abort on a gloo thread, and torchrun would report (and restart) a finished job."""
     if dist.is_initialized():
         dist.barrier(group=GROUP["ctrl"])
         dist.destroy_process_group()
@@ -886,14 +860,13 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
 
 
 def lock_out_dir(out_dir):
-    """Rank 0 holds an exclusive flock on <out>/.lock while it lives, so a second job into the out dir
-    (a Slurm requeue beside the running job, a launch by hand) stops before it resumes anything. The
-    kernel drops the lock when the process dies, SIGKILL included: it is never stale (local file
-    systems and NFSv4 have flock; where it fails, a warning)."""
+    """Rank 0 holds an exclusive flock on <out>/.lock while it lives: a second job into the out dir (a Slurm
+    requeue beside the running job) stops before it resumes anything. The kernel drops the lock when the
+    process dies, SIGKILL included: never stale (NFSv4 has flock; where it fails, a warning)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         fail(f"--out-dir {out_dir} is a file; give a directory")
     os.makedirs(out_dir, exist_ok=True)
-    if os.path.realpath(out_dir) in OUT_DIR_LOCK:  # main() called again in this process
+    if os.path.realpath(out_dir) in OUT_DIR_LOCK:  # main() run again by this process (tests)
         return
     f = open(os.path.join(out_dir, ".lock"), "a+")  # kept open (OUT_DIR_LOCK): closing it would unlock
     try:
@@ -978,11 +951,9 @@ def load_run(args, run, rank0_only):
 
 
 def fetch(mine, path, read, same):
-    """Collective: what rank 0 read from path (mine, None on the other ranks; a checkpoint or the
-    --init-from weights) on every rank. A rank that can read the same files (a shared out dir, the
-    same model on each node; same() compares with rank 0's checksums) reads them itself, ~15x
-    faster than receiving them pickled over gloo (BENCHMARKS.md); if any rank cannot, rank 0 sends
-    them to all."""
+    """Collective: what rank 0 read from path (mine; None elsewhere) on every rank. A rank that can read the
+    same files (same() compares with rank 0's checksums) reads them itself, ~15x faster than receiving
+    them pickled over gloo (BENCHMARKS.md); if any rank cannot, rank 0 sends them to all."""
     if mine is None and os.path.exists(path):
         try:
             mine = read()
@@ -994,10 +965,8 @@ def fetch(mine, path, read, same):
 
 
 # ----------------------------------------------------------------------------- --init-from: weights only
-# BERT's phase 2 (the same model at 512 tokens) and continued pretraining (a domain corpus) start
-# from trained weights with a new optimizer, LR plan and step 0. The model takes the source's shape;
-# a head the source lacks (NSP after an mlm run, both after a bare BertModel) starts fresh, seeded,
-# so every rank that reads the source itself builds the same weights.
+# BERT's phase 2 and continued pretraining start from trained weights with a new optimizer, LR plan and
+# step 0, in the source's shape; a head the source lacks starts fresh, seeded (the same on every rank).
 HEADS = ("cls.", "bert.pooler.")
 
 
@@ -1066,10 +1035,8 @@ def load_init(kind, folder, objective, seed):
 
 
 # ----------------------------------------------------------------------------- the learning-rate plan
-# Planned once from the step estimate, stored in every checkpoint, never rebuilt on resume.
-# Positions count steps at the planned effective batch ("batch"): after a resume on another world
-# size a step advances the plan by its share of that batch, so the curve continues and reaches
-# zero at the end of the planned data, not before or after.
+# Planned once (from the estimate, or --budget's calibration), stored in every checkpoint. Positions count
+# steps at the planned effective batch: on another world size a step advances by its share of it.
 
 def new_lr_plan(args, stream, world_size):
     settings = (stream, world_size, args.num_workers, args.batch_size, args.accum_steps)
@@ -1109,28 +1076,24 @@ def replan(plan, pos, step, args, batch):
         total = min(total, pos + (args.max_steps - step) * batch / plan["batch"])
     if plan.get("budget") and args.budget:  # the stored step time: a resume never measures again
         total = min(total, plan["total"] + (args.budget - plan["budget"]["seconds"]) / plan["budget"]["step_s"])
-    start, stable = plan["decay_from"][0], plan.get("schedule") == "wsd"
-    if pos < plan["warmup"] or (stable and pos < start):
-        decay_from = [estimate_steps.decay_start(plan["schedule"], plan["decay"], plan["warmup"], total), 1.0] \
-            if stable else list(plan["decay_from"])
-        decay_from[0] = max(decay_from[0], pos)
-    else:
-        decay_from = [pos, lr_factor(plan, pos)]
+    if plan.get("schedule") == "wsd" and pos < plan["decay_from"][0]:  # stable (or warming up): peak, then decay
+        decay_from = [max(pos, estimate_steps.decay_start("wsd", plan["decay"], plan["warmup"], total)), 1.0]
+    else:  # in its warmup a linear/cosine plan keeps the decay's start; a decaying plan goes on from today's LR
+        decay_from = plan["decay_from"] if pos < plan["warmup"] else [pos, lr_factor(plan, pos)]
     return {**plan, "total": total, "decay_from": decay_from}
 
 
 CALIBRATION = (3, 10)  # --budget: steps before the timed ones (worker start, allocator, compile), steps timed
 
 
-def plan_budget(args, run, model, trainer, stream, eval_loader, tokenizer, device, amp_ctx, meter):
-    """Collective, --budget: every rank runs real steps (the first few untimed) and an eval, rank 0 a
-    save (and an export); rank 0 times them and plans the steps that fit in the budget (the
-    calibration's own time counted, eval, checkpoints and exports by their share per step), capped by
-    --epochs and --max-steps. Then weights, optimizer, loss scale, RNG and data are as before, so step
-    1 runs on the final plan, which every checkpoint carries: a resume never measures again."""
+def plan_budget(args, run, model, trainer, stream, eval_loader, device, amp_ctx, meter):
+    """Collective, --budget: every rank runs real steps (3 untimed) and an eval, rank 0 a save; rank 0
+    times them and plans the steps that fit (the calibration counted, eval and saves by their share),
+    capped by --epochs and --max-steps. Weights, optimizer, loss scale, RNG and data are then as
+    before: step 1 runs on the final plan, which every checkpoint carries (a resume never measures)."""
     raw_model, optimizer, scaler = trainer
-    before = [{k: v.to("cpu", copy=True) for k, v in raw_model.state_dict().items()},
-              copy.deepcopy(optimizer.state_dict()), scaler.state_dict(), rng_states(device)]
+    before = [{k: v.to("cpu", copy=True) for k, v in raw_model.state_dict().items()}, scaler.state_dict(),
+              rng_states(device)]  # and the optimizer's state: none yet
     times = [clock(device)]
     start_epoch(stream, 0, None, args.num_workers)
     batches = iter(make_loader(stream, args.num_workers, device, args.dist_timeout * 60))
@@ -1148,21 +1111,19 @@ def plan_budget(args, run, model, trainer, stream, eval_loader, tokenizer, devic
     if eval_loader is not None:
         evaluate(raw_model, eval_loader, device, amp_ctx, GROUP["world_size"], args.objective == "nsp")
     marks, tmp = [clock(device)], os.path.join(run["out_dir"], ".budget-calibration")
-    for write in ("save", "export"):  # rank 0 writes a checkpoint and (with --export-every) an export, deleted
-        if GROUP["rank"] == 0 and (write == "save" or args.export_every):
-            save_checkpoint(tmp, 0, {"trainer.pt": {"model": raw_model.hf.state_dict(),
-                                                    "optimizer": optimizer.state_dict()}}, {}, 1) \
-                if write == "save" else export_hf(raw_model.hf, tokenizer, tmp)
-        marks.append(clock(device))
-    shutil.rmtree(tmp, ignore_errors=True)
+    if GROUP["rank"] == 0:  # a checkpoint's write, deleted (an export, a third of it, is counted as one)
+        state = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict()}
+        save_checkpoint(tmp, 0, {"trainer.pt": state}, {}, 1)
+        shutil.rmtree(tmp)
+    marks.append(clock(device))
     raw_model.load_state_dict(before[0])
-    optimizer.load_state_dict(before[1])
-    scaler.load_state_dict(before[2])
-    set_rng_states(before[3], device)
+    optimizer.state.clear()
+    scaler.load_state_dict(before[1])
+    set_rng_states(before[2], device)
     meter.update(interval=new_interval(), data_wait=0.0)
     spent = marks[-1] - times[0]
-    per_step = step_s + (marks[0] - times[-1]) / args.eval_every + (marks[1] - marks[0]) / args.save_every + \
-        ((marks[2] - marks[1]) / args.export_every if args.export_every else 0.0)
+    per_step = step_s + (marks[0] - times[-1]) / args.eval_every + (marks[1] - marks[0]) * \
+        (1 / args.save_every + (1 / args.export_every if args.export_every else 0))
     fit = int(max(args.budget - spent, 0) // per_step)
     budget = {"seconds": args.budget, "step_s": per_step, "train_step_s": step_s, "calibration_s": spent,
               "steps_fit": fit, "limit": "budget" if fit < run["plan"]["total"] else "epochs"}
@@ -1177,13 +1138,10 @@ def plan_budget(args, run, model, trainer, stream, eval_loader, tokenizer, devic
 
 
 # ----------------------------------------------------------------------------- checkpoints
-# Layout: <out>/checkpoints/step_000400/{trainer.pt, ranks.pt, manifest.json} and <out>/checkpoints/latest.
-# A checkpoint is written into a hidden temporary folder, every file fsynced, its manifest (with
-# each file's sha256) last, then renamed into place: a crash at any instant leaves the previous
-# complete checkpoint usable, and a damaged one is recognised by its checksums. Nothing is ever
-# unpickled as code: torch.load(weights_only=True) reads tensors and plain containers only.
-# Fields that a resumed run must share with the checkpoint (the rest may change; the corpus is
-# compared by its fingerprint, the tokenizer by its hash):
+# <out>/checkpoints/step_000400/{trainer.pt, ranks.pt, manifest.json} and <out>/checkpoints/latest. Written
+# into a hidden folder, every file fsynced, the manifest (sha256s) last, then renamed into place: a crash
+# leaves the previous one usable, a damaged one fails its checksums. Loads are torch.load(weights_only=True).
+# Fields a resume must share with the checkpoint (the corpus: its fingerprint; the tokenizer: its hash):
 RESUME_MUST_MATCH = {"model_size": None, "objective": None, "max_seq_len": None, "vocab": None, "seed": None,
                      "schedule": "linear"}  # (what a checkpoint without the field had)
 
@@ -1204,9 +1162,8 @@ def save_checkpoint(root, step, files, meta, keep_last):
     except BaseException:  # e.g. the disk is full: no half-written folder stays
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    # The pointer moves first: a crash before the rename leaves it naming a step that is missing or
-    # incomplete, and --resume auto takes the newest complete one below it. (Moved after, a crash
-    # between would make the new complete checkpoint look abandoned.)
+    # The pointer moves first: a crash before the rename leaves it naming a missing step, and --resume auto
+    # takes the newest complete one below it (moved after, the new checkpoint would look abandoned)
     point_latest(root, name)
     if os.path.exists(final):  # the same step saved twice (e.g. a resumed run's final save)
         old = os.path.join(root, f".old-{name}")
@@ -1275,12 +1232,9 @@ def read_checkpoint(path):
 
 
 def choose_checkpoint(args, root):
-    """Rank 0's choice: (path, checkpoint) to resume, or (None, None) to start afresh.
-
-    `latest` names the timeline. A step_* newer than the checkpoint resumed belongs to a timeline
-    abandoned by a rollback to an older step (or is damaged): it is moved to checkpoints/abandoned/
-    with a warning and never resumed, nor counted by --keep-last.
-    """
+    """Rank 0's choice: (path, checkpoint) to resume, or (None, None). `latest` names the timeline: a
+    step_* newer than the checkpoint resumed (abandoned by a rollback to an older step, or damaged) goes
+    to checkpoints/abandoned/ with a warning, never resumed nor counted by --keep-last."""
     for d in os.listdir(root) if os.path.isdir(root) else []:
         if d.startswith(".old-step_"):  # a re-save crashed between its renames (save_checkpoint)
             if os.path.isdir(os.path.join(root, d[5:])):
@@ -1350,17 +1304,13 @@ def checkpoint(args, run, progress, trainer, stream, device, tracker_runs):
                  "scaler": scaler.state_dict()}
         latest, step = read_latest(root), progress["step"]
         kept = f"{os.path.join(root, latest)} is the newest complete checkpoint" if latest else "no checkpoint yet"
-        files = {"trainer.pt": state, "ranks.pt": gathered}
+        save = functools.partial(save_checkpoint, root, step, {"trainer.pt": state, "ranks.pt": gathered}, meta,
+                                 args.keep_last)
         if not torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all():
             error = f"the weights at step {step} are not finite: not saved; {kept}"
-        else:
-            try:
-                say(f"saved {save_checkpoint(root, step, files, meta, args.keep_last)}")
-            except Exception as e:
-                error = data_stream.write_error(f"checkpoint step_{step:06d} into {root}", root, e, nbytes(state))
-                if error is None:
-                    raise
-                error += f"; {kept}: free space and run the same command again to resume there"
+        elif error := data_stream.try_write(lambda: say(f"saved {save()}"), f"checkpoint step_{step:06d} into {root}",
+                                            root, nbytes(state)):
+            error += f"; {kept}: free space and run the same command again to resume there"
     agree(error)  # one line from rank 0, every rank stops
 
 
@@ -1393,19 +1343,15 @@ def load_trainer(state, raw_model, optimizer, scaler):
 
 
 def rollback(args, run, progress, trainer, device, meter):
-    """Collective: --rollback-after steps in a row had an inf/NaN gradient (each skipped). Every rank
-    loads the weights, optimizer and loss scale of the newest checkpoint and goes on with the data
-    after those steps (their batches are not replayed), the step count and LR plan going on too. With
-    no checkpoint, or after a rollback to that one already, every rank stops: it did not help."""
+    """Collective: --rollback-after steps in a row had an inf/NaN gradient (skipped). Every rank loads the
+    newest checkpoint's weights, optimizer and loss scale, and goes on with the data after those steps (not
+    replayed), the step count and LR plan too. With no checkpoint, or one rolled back to already: a stop."""
     root = os.path.join(run["out_dir"], "checkpoints")
     path = from_rank0(read_latest(root) and os.path.join(root, read_latest(root)))
     skipped = f"{meter['worst']:.0f} steps in a row up to step {progress['step']} had an inf/NaN gradient (skipped)"
-    if path is None or run.get("rolled_back_to") == path:
-        if GROUP["rank"] == 0:
-            say_error(f"{skipped}, and " + ("there is no checkpoint to roll back to" if path is None else
-                      f"a rollback to {path} did not help") + ": lower --lr, raise --warmup or --clip, or look "
-                      "at the data of these steps")
-        raise SystemExit(2)
+    agree(f"{skipped}, and " + ("there is no checkpoint to roll back to" if path is None else f"a rollback to "
+          f"{path} did not help") + ": lower --lr, raise --warmup or --clip, or look at the data of these steps"
+          if GROUP["rank"] == 0 and (path is None or run.get("rolled_back_to") == path) else None)
     mine = read_checkpoint(path)[0] if GROUP["rank"] == 0 else None
     sha = from_rank0(mine and mine["sha256"])
     loaded = fetch(mine, path, lambda: read_checkpoint(path)[0], lambda c: c["sha256"] == sha)
@@ -1454,20 +1400,14 @@ def export_hf(hf_model, tokenizer, out_dir):
     def write(folder):
         hf_model.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
-    try:
-        replace_folder(os.path.join(out_dir, "hf"), write)
-    except Exception as e:
-        failed = data_stream.write_error(f"the Hugging Face export {os.path.join(out_dir, 'hf')}", out_dir, e,
-                                         nbytes(hf_model.state_dict()))
-        if failed is None:
-            raise
-        return failed
+    final = os.path.join(out_dir, "hf")
+    return data_stream.try_write(lambda: replace_folder(final, write), f"the Hugging Face export {final}", out_dir,
+                                 nbytes(hf_model.state_dict()))
 
 
 def replace_folder(final, write):
-    """write(folder) into a temporary folder beside final, then put in its place: a reader never sees
-    a half-written folder (for an instant between the two there is none; a checkpoint's save has its
-    own steps for that: save_checkpoint)."""
+    """write(folder) into a temporary folder beside final, then put in its place: never a half-written
+    folder (for an instant, none: a checkpoint's save has its own steps for that)."""
     tmp = os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -1485,13 +1425,11 @@ STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out 
 
 
 def new_meter(device, amp_dtype, progress):
-    """What the logs and the report measure: the interval since the last log, and for the steady
-    rates the training clock (without eval, checkpoints and exports: "paused") at marks after 1
-    and STEADY_AFTER steps. Rates count this run only, from its start (step, tokens, flops)."""
+    """What logs and report measure: the interval since the last log; for the steady rates the training
+    clock (without eval, saves and exports: "paused") at marks after 1 and STEADY_AFTER steps."""
     return {"interval": new_interval(), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
-            "train_base": progress["train_seconds"], "worst": 0,
             "start": (progress["step"], progress["tokens_seen"], progress["flops_done"]), "marks": {},
-            "paused": 0.0, "data_wait": 0.0, "computed": 0,
+            "paused": 0.0, "data_wait": 0.0, "computed": 0, "train_base": progress["train_seconds"], "worst": 0,
             # skipped steps (non-finite gradients): in all, in a row now, the most in a row since the last log
             "skips": torch.zeros(3, device=device)}
 
@@ -1517,8 +1455,7 @@ def count_step(meter, progress, sums, skipped, lr, totals):
     progress["train_seconds"] = meter["train_base"] + time.perf_counter() - meter["t_start"]
     interval = meter["interval"]
     # the loss sums and counts of the steps applied, on the device (a skipped step's loss may be NaN)
-    sums = torch.cat([sums, torch.stack([(1 - skipped) * masked, (1 - skipped) * samples])])
-    sums = torch.where(skipped > 0, torch.zeros_like(sums), sums)
+    sums = torch.where(skipped > 0, 0.0, torch.cat([sums, torch.stack([skipped * 0 + masked, skipped * 0 + samples])]))
     interval["sums"] = sums if interval["sums"] is None else interval["sums"] + sums
     for key, value in (("samples", samples), ("tokens", tokens), ("flops", flops)):
         interval[key] += value
@@ -1577,11 +1514,10 @@ def announce(args, run, raw_model, device, progress):
     say(f"model: BERT-{config['model_size']} {args.objective}, {n_params / 1e6:.2f}M parameters; world size "
         f"{config['world_size']} on {device.type}; effective batch {config['effective_batch']} "
         f"({args.batch_size} x {config['world_size']} ranks x {args.accum_steps} accum)")
-    say(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps "
-        f"for {estimate['epochs']} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps
-                                         else ")") + f"; {plan.get('schedule', 'linear')} LR schedule, warmup "
-        f"{plan['warmup']} steps, decay from {plan['decay_from'][0]:.0f}" + (", then --budget" if args.budget and
-                                                                           not run["path"] else ""))
+    say(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps for "
+        f"{estimate['epochs']} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps else ")")
+        + f"; {plan.get('schedule', 'linear')} LR, warmup {plan['warmup']} steps, decay from "
+        f"{plan['decay_from'][0]:.0f}")
     if run["path"] and plan.get("budget"):
         announce_budget(run)
     if run["path"]:
@@ -1591,8 +1527,8 @@ def announce(args, run, raw_model, device, progress):
 
 
 def announce_budget(run):
-    plan, budget = run["plan"], run["plan"]["budget"]
-    epochs = plan["total"] / max(plan["steps_per_epoch"], 1)
+    plan = run["plan"]
+    budget, epochs = plan["budget"], plan["total"] / max(plan["steps_per_epoch"], 1)
     say(f"--budget {estimate_steps.hours(budget['seconds'])}: a step takes {budget['train_step_s']:.3g} s here, "
         f"{budget['step_s']:.3g} s with eval, checkpoints and exports by their share; the calibration took "
         f"{budget['calibration_s']:.1f} s: planned {plan['total']:,} steps ({epochs:.2f} epochs), LR decay from step "
@@ -1603,14 +1539,14 @@ def announce_budget(run):
 def mark(meter, progress, device, run):
     """The steady rates' marks after 1 and STEADY_AFTER steps of this run. At the second, a --budget run
     says where its plan lands at this machine's speed (a resume on slower hardware keeps its plan)."""
-    done, budget = progress["step"] - meter["start"][0], run["plan"].get("budget")
+    done, budget, plan = progress["step"] - meter["start"][0], run["plan"].get("budget"), run["plan"]
     if done in (1, STEADY_AFTER):
         meter["marks"][done] = (clock(device) - meter["paused"], progress["step"], progress["tokens_seen"],
                                 progress["flops_done"])
     if done == STEADY_AFTER and budget and GROUP["rank"] == 0:
-        (t1, s1, *_), (t2, s2, *_) = meter["marks"][1], meter["marks"][STEADY_AFTER]
-        step_s = (t2 - t1) / (s2 - s1) + budget["step_s"] - budget["train_step_s"]
-        left = (run["plan"]["total"] - run["plan_pos"]) * run["plan"]["batch"] / run["config"]["effective_batch"]
+        step_s = (meter["marks"][done][0] - meter["marks"][1][0]) / (done - 1) + budget["step_s"] - budget[
+            "train_step_s"]
+        left = (plan["total"] - run["plan_pos"]) * plan["batch"] / run["config"]["effective_batch"]
         ends = progress["train_seconds"] + left * step_s
         say(f"--budget: {left:,.0f} steps left at {step_s:.3g} s a step here (planned at {budget['step_s']:.3g} s): "
             f"training ends after {estimate_steps.hours(ends)}, {ends / budget['seconds'] - 1:+.1%} off the budget")
@@ -1623,8 +1559,7 @@ def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, s
     elapsed, train_clock = end - meter["t_start"], end - meter["paused"]
     total_steps, effective = round(plan["total"]), run["config"]["effective_batch"]
     overall = rates(elapsed, step - start[0], tokens_seen - start[1], flops_done - start[2], peak, world_size)
-    # Steady: after the first STEADY_AFTER steps of this run (1 in a run under 2 x STEADY_AFTER steps),
-    # without the time spent in eval, checkpoints and exports.
+    # Steady: after STEADY_AFTER steps (1 in a run under 2 x STEADY_AFTER), without eval, saves and exports
     mark = meter["marks"].get(STEADY_AFTER if step - start[0] >= 2 * STEADY_AFTER else 1)
     steady = rates(train_clock - mark[0], step - mark[1], tokens_seen - mark[2], flops_done - mark[3], peak,
                    world_size) if mark and step > mark[1] else overall
@@ -1658,15 +1593,13 @@ def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, s
                **steady, "steady_from_step": mark[1] if steady is not overall else None,
                **{f"{k}_overall": v for k, v in overall.items()}, "data_wait_share": wait_share,
                "padding_share": padding, "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
-               "unused_samples_per_epoch": progress["unused_per_epoch"],
-               "stopped_by_signal": stopped, "skipped_steps": skips, "rollbacks": progress["rollbacks"],
+               "unused_samples_per_epoch": progress["unused_per_epoch"], "stopped_by_signal": stopped,
+               "skipped_steps": skips, "rollbacks": progress["rollbacks"],
                "train_seconds": trained, "budget": budget, "estimate": run["estimate"],
                "lr_plan": plan, "lr_plan_position": run["plan_pos"]}
-    try:
-        data_stream.atomic_write(os.path.join(run["out_dir"], "summary.json"),
-                                 lambda f: json.dump(summary, f, indent=1), mode="w")
-    except OSError as e:
-        return data_stream.write_error(os.path.join(run["out_dir"], "summary.json"), run["out_dir"], e)
+    path = os.path.join(run["out_dir"], "summary.json")
+    return data_stream.try_write(lambda: data_stream.atomic_write(path, lambda f: json.dump(summary, f, indent=1), "w"),
+                                 path, run["out_dir"])
 
 
 def say(line):
@@ -1722,14 +1655,11 @@ def make_loader(stream, num_workers, device, timeout_s, persistent=False):
 
 
 def sparse_targets(batch):
-    """The DataLoader's collate_fn, so it runs in the worker and its tensors are pinned with the rest:
-    masked positions and targets instead of labels, the real tokens' positions, a 4-D boolean mask
-    only where a batch pads (nothing the model reads back: no host sync), and its host counts.
-    Sizes 0 and 1 are never symbolic in torch.compile (it specialises them): a batch of one row or
-    pair, or with 0-1 masked tokens, would compile a graph of its own. So such a batch gets a copy of
-    its row (no masked position, no [CLS] read in it), a second NSP label -100 (cross_entropy's
-    ignore_index) read at position 0, masked positions padded to two with target -100: the losses and
-    gradients are the batch's own, and a run holds at most two graphs (with and without a mask)."""
+    """The DataLoader's collate_fn (it runs in the worker; its tensors are pinned with the rest): masked
+    positions and targets instead of labels, the real tokens' positions, a 4-D boolean mask where a
+    batch pads (nothing the model reads back: no host sync), and its host counts. torch.compile
+    specialises sizes 0 and 1, so a batch of one row or pair gets a copy of its row (nothing read in it)
+    and an NSP label -100 (ignored), and masked positions are padded to two with target -100."""
     labels, mask = batch.pop("labels"), batch.pop("attention_mask")
     batch.update(counts_of(mask, batch.get("sequence_ids"), batch.get("next_sentence_label")))
     if "next_sentence_label" in batch and "cls_pos" not in batch:  # a pair a row: its [CLS] starts it
@@ -1770,9 +1700,8 @@ def counts_of(mask, sequence_ids, nsp_labels):
             "num_computed": mask.numel(), "num_attended": int((lengths**2).sum())}
 
 
-# --compile: these sizes change from batch to batch. Marked dynamic, they are symbolic from the first
-# compile on: one graph (two: with and without a mask), not one per new size until dynamo's recompile
-# limit (8) sends the model back to eager.
+# --compile: these sizes vary. Marked dynamic, they are symbolic from the first compile on: one graph (two:
+# with and without a mask), not one per new size until dynamo's recompile limit sends the model to eager.
 DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "position_ids": (0, 1), "sequence_ids": (0, 1),
                 "attention_mask": (0, 3), "masked_pos": (0,), "masked_targets": (0,), "next_sentence_label": (0,),
                 "cls_pos": (0,), "real_pos": (0,)}
@@ -1829,13 +1758,9 @@ def end_epoch(progress, window, batches):
 
 
 def exit_now(code):
-    """End the process without the interpreter's teardown, once the work is done and said: it
-    destroys C++ objects in an order nobody controls, and a joinable std::thread destroyed there
-    aborts the rank ('terminate called without an active exception', SIGABRT) after a finished
-    job: 1 of 9 short 2-rank jobs under heavy load; 0 of 50 with this exit (BENCHMARKS.md section 14). torchrun
-    then reports the job as failed, and with --max-restarts it restarts a finished job. What
-    teardown would still do is done before: the summary, the export and the trackers are written,
-    the loaders' workers end with their trainer (data_stream.quiet_worker), the process group is destroyed."""
+    """End the process without the interpreter's teardown (its work done and said): teardown destroys C++
+    objects in no set order, and a joinable std::thread destroyed there aborts a finished rank (1 of 9
+    short 2-rank jobs under load, 0 of 50 with this exit: BENCHMARKS.md section 14)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -22,7 +22,10 @@
 #   4     seq 512 (BERT's phase 2), bf16, micro-batch BATCH512 (64; 32 on OOM)
 #   5     fp16 + GradScaler and a resume: SIGTERM after step 20 (the trainer stops at the next step, saves a
 #         checkpoint, exits), then the same command with --resume auto and 40 more steps: both losses finite,
-#         the second run says it resumed; the loss scale before and after and fp16_overflow_skips
+#         the second run says it resumed; the loss scale before and after and the skipped steps (overflows)
+#   7     nsp pairs packed into rows (the default) against --no-packing (a padded row per pair), BERT-base bf16 at
+#         seq 128 and 512, STEPS_AB (40) steps each: real tokens/s, MFU (of the real tokens), the padding share of
+#         the positions computed, and packed / unpacked (issue 37)
 #   6     row 2 with --compile; last, as the longest: its timeout shrinks to the budget left (at least 120 s)
 # What one GPU cannot check: DDP over nccl with 2+ ranks (NCCL refuses two ranks on one device), so row 3 runs
 # nccl at world size 1 (DDP's gradient all_reduce runs, but nothing crosses between GPUs); the multi-rank logic
@@ -30,7 +33,7 @@
 # Budget: a command starts only if its timeout plus the 20 s grace ends inside BUDGET seconds from the start
 # (else its row says "skipped"). Runs write checkpoints (BERT-base + AdamW: ~1 GB) under $RUNS and delete them
 # after each run; logs and summary.json files go to $OUT.
-# --cpu-smoke (~1.5 min on 2 idle cores, ~3.5 min on a loaded one; BUDGET 270 s): CUDA hidden, BERT-tiny, seq 64
+# --cpu-smoke (~2 min on 2 idle cores, ~4 min on a loaded one; BUDGET 300 s): CUDA hidden, BERT-tiny, seq 64
 # (row 4: 128), 12 steps, one OpenMP thread per process; gloo instead of nccl and no pinned memory (row 1);
 # rows 2 and 4 in bf16 if the CPU has it natively (else fp32); row 5 in fp32 (fp16 needs CUDA); row 3 under
 # torchrun with 2 ranks over gloo; rows 4-6 without DataLoader workers; row 6 in fp32 with torch's debug
@@ -39,7 +42,7 @@
 # simulated out-of-memory error, so the fallback runs too.
 # Environment knobs (GPU default / --cpu-smoke default):
 #   OUT (/tmp/gpu_check / /tmp/gpu_check_smoke)  RUNS (/tmp/gpu_check_runs / /tmp/gpu_check_smoke_runs)
-#   BUDGET s (450 / 270)  STEPS (110 / 12)  BATCH, BATCH_FALLBACK (256, 128 / 16, 8)  BATCH512,
+#   BUDGET s (450 / 300)  STEPS (110 / 12)  STEPS_AB (40 / 8)  BATCH, BATCH_FALLBACK (256, 128 / 16, 8)  BATCH512,
 #   BATCH512_FALLBACK (64, 32 / 8, 4)  COPIES (16 / 1)  WORKERS (unset: the trainer's default / same, rows
 #   4-6: 0)  PY (python3)  BERT_DDP_CACHE (the trainer's cache, ~/.cache/bert_ddp)  TORCHINDUCTOR_CACHE_DIR
 #   ($RUNS/inductor, deleted if row 6 fails)  SMOKE_COMPILE_BACKEND (aot_eager)  GPU_CHECK_FAKE_OOM_ABOVE (unset
@@ -56,8 +59,8 @@ esac
 PY=${PY:-python3}
 GRACE=20  # timeout -k: SIGKILL this long after SIGTERM (a trainer stopped by SIGTERM saves a checkpoint first)
 if (( SMOKE )); then
-    OUT=${OUT:-/tmp/gpu_check_smoke}; RUNS=${RUNS:-/tmp/gpu_check_smoke_runs}; BUDGET=${BUDGET:-270}
-    STEPS=${STEPS:-12}; BATCH=${BATCH:-16}; BATCH_FALLBACK=${BATCH_FALLBACK:-8}
+    OUT=${OUT:-/tmp/gpu_check_smoke}; RUNS=${RUNS:-/tmp/gpu_check_smoke_runs}; BUDGET=${BUDGET:-300}
+    STEPS=${STEPS:-12}; STEPS_AB=${STEPS_AB:-8}; BATCH=${BATCH:-16}; BATCH_FALLBACK=${BATCH_FALLBACK:-8}
     BATCH512=${BATCH512:-8}; BATCH512_FALLBACK=${BATCH512_FALLBACK:-4}; COPIES=${COPIES:-1}
     MODEL=tiny; SEQ=64; SEQ2=128; LOG_EVERY=2; STOP_AT=4; MORE=4; MIN_TIMED=5; DDP_RANKS=2
     RUN_LIMITS=(90 30); COMPILE_LIMITS=(150 60)  # a trainer run's timeout: at most, at least (else skipped)
@@ -69,7 +72,7 @@ if (( SMOKE )); then
     export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}  # no pool of compile processes
 else
     OUT=${OUT:-/tmp/gpu_check}; RUNS=${RUNS:-/tmp/gpu_check_runs}; BUDGET=${BUDGET:-450}
-    STEPS=${STEPS:-110}; BATCH=${BATCH:-256}; BATCH_FALLBACK=${BATCH_FALLBACK:-128}
+    STEPS=${STEPS:-110}; STEPS_AB=${STEPS_AB:-40}; BATCH=${BATCH:-256}; BATCH_FALLBACK=${BATCH_FALLBACK:-128}
     BATCH512=${BATCH512:-64}; BATCH512_FALLBACK=${BATCH512_FALLBACK:-32}; COPIES=${COPIES:-16}
     MODEL=base; SEQ=128; SEQ2=512; LOG_EVERY=10; STOP_AT=20; MORE=40; MIN_TIMED=100; DDP_RANKS=1
     RUN_LIMITS=(150 60); COMPILE_LIMITS=(300 120)
@@ -260,13 +263,24 @@ def resume(name_a, name_b):
     at = re.search(r"^resumed from .* at step (\d+)", log_b, re.M)[1]
     scale_a, scale_b = scalars(log_a, "train/loss_scale"), scalars(log_b, "train/loss_scale")
     scale = f"loss scale {scale_a[-1]:g} -> {scale_b[-1]:g}, " if scale_a and scale_b else ""
-    skips = [x.get("fp16_overflow_skips", "n/a") for x in (a, b)]
+    skips = [x.get("skipped_steps", x.get("fp16_overflow_skips", "n/a")) for x in (a, b)]
     return (f"ok: SIGTERM stop at step {a['steps']}, resumed at step {at} to {b['steps']}; loss {a['train_loss']:.3f}"
             f" -> {b['train_loss']:.3f}; {scale}overflow skips {skips[0]} + {skips[1]}; run 2: "
             + describe(log_b, b, timed_note=False))
 
 
-text = perf(sys.argv[2]) if sys.argv[1] == "perf" else resume(sys.argv[2], sys.argv[3])
+def ab(packed, padded):
+    """nsp pairs packed into rows against a padded row per pair: real tokens/s, MFU, padding, the ratio."""
+    (log_a, a), (log_b, b) = load(packed), load(padded)
+    if not (finite(a) and finite(b)):
+        return "FAIL: " + ("no finite loss packed" if not finite(a) else "no finite loss unpadded")
+    cells = [f"{name} {s['tokens_per_sec']:,.0f} tok/s, MFU {pct(s.get('mfu'))}, padding {pct(s.get('padding_share'))}"
+             for name, s in (("packed", a), ("--no-packing", b))]
+    return f"ok: {cells[0]}; {cells[1]}; packed/unpacked {a['tokens_per_sec'] / b['tokens_per_sec']:.2f}x"
+
+
+text = {"perf": lambda: perf(sys.argv[2]), "resume": lambda: resume(sys.argv[2], sys.argv[3]),
+        "ab": lambda: ab(sys.argv[2], sys.argv[3])}[sys.argv[1]]()
 print(text)
 sys.exit(0 if text.startswith("ok") else 1)
 EOF
@@ -588,6 +602,22 @@ resume_row() {
         && echo "; run 2 exit $rc")"
 }
 if (( DATA_OK )); then resume_row; else record "$L5" "$NODATA"; fi
+
+# --- 7. nsp: pairs packed into rows (the default) against --no-packing, at seq SEQ and SEQ2 (issue 37)
+ab_row() {
+    local label=$1 seq=$2 batch=$3 rc mode; shift 3
+    for mode in packed padded; do
+        train "ab_$mode$seq" "${RUN_LIMITS[@]}" --objective nsp --batch-size "$batch" --max-seq-len "$seq" \
+            --max-steps "$STEPS_AB" "${BF16[@]}" "${LIGHT[@]}" $( [ $mode = padded ] && echo --no-packing ); rc=$?
+        (( rc == 4 )) && { record "$label" "$(skipped "${RUN_LIMITS[1]}")"; return; }
+        (( rc )) && { record "$label" "FAIL: $mode: $(tail -1 "$OUT/ab_$mode$seq.log" | cut -c1-200)"; return; }
+    done
+    record "$label" "$("$PY" "$ROW" ab "ab_packed$seq" "ab_padded$seq")"
+}
+if (( DATA_OK )); then
+    ab_row "7a $MODEL nsp seq $SEQ $DT: packed vs padded" "$SEQ" "$B128"
+    ab_row "7b $MODEL nsp seq $SEQ2 $DT: packed vs padded" "$SEQ2" "$BATCH512"
+else record "7 nsp packed vs padded" "$NODATA"; fi
 
 # --- 6. row 2 with --compile, last: compiling takes the longest, and its timeout shrinks to the budget left
 L6="6 $MODEL seq $SEQ $COMPILE_DT --compile"
