@@ -4,35 +4,46 @@ against a padded row per pair, or any other pair of flag sets.
 
     python bench/packing.py                                      # tiny + mini, 128 + 512, packed vs --no-packing
     python bench/packing.py --sizes mini --seq-lens 128 --a "" --b "--no-packing" --repeats 3
+    python bench/packing.py --sizes tiny --seq-lens 128 --steps 1200 --eval-every 300 --repeats 3   # learning
 
 Each run is `pretrain_ddp.py --objective nsp` on the builtin corpus in a fresh process (its real loop: DataLoader
 worker, collate, train_step), --steps optimizer steps; the numbers are summary.json's steady rates (after step 5,
 without eval and saves): tokens_per_sec and mfu count real tokens only, padding_share is the share of the
 computed positions that were padding. The sides alternate (a, b, b, a, ...), one fresh process each; the ratio
 a / b is given per repeat. A side may run through a wrapper script (--a-script) that changes the trainer before
-its main() (bench/last_layer.py's way to switch a model change that has no flag).
+its main() (bench/last_layer.py's way to switch a model change that has no flag). With --eval-every, repeat k runs
+with --seed k on both sides (the same initial weights and data) and evaluates builtin's held-out split; the
+table gives each side's mean eval MLM loss at each eval step and the mean paired difference a - b (standard error).
 """
 import argparse
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
-def run(args, script, flags, size, seq_len, out_dir):
+def run(args, script, flags, size, seq_len, out_dir, seed):
+    evals = ["--eval-corpus", "builtin", "--eval-every", str(args.eval_every), "--seed", str(seed)] \
+        if args.eval_every else ["--eval-corpus", "none"]
     cmd = [sys.executable, script, "--objective", "nsp", "--model-size", size, "--max-seq-len", str(seq_len),
            "--batch-size", str(args.batch_size), "--max-steps", str(args.steps), "--log-every", "1000",
-           "--log-to", "stdout", "--eval-corpus", "none", "--save-every", "1000000", "--out-dir", out_dir,
+           "--log-to", "stdout", *evals, "--save-every", "1000000", "--out-dir", out_dir,
            "--resume", "none", "--overwrite", *shlex.split(flags)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode:
         sys.exit(f"pretrain_ddp.py failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
     with open(os.path.join(out_dir, "summary.json")) as f:
-        return json.load(f)
+        summary = json.load(f)
+    summary["evals"] = {int(k): float(v) for k, v in re.findall(r"^step (\d+): eval/mlm_loss ([\d.]+)", out.stdout,
+                                                                re.M)}
+    return summary
 
 
 def cells(found, key, fmt):
@@ -51,6 +62,7 @@ def main():
     p.add_argument("--repeats", type=int, default=2, help="alternating pairs per configuration")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--eval-every", type=int, default=0, help="also compare the eval loss (repeat k: --seed k)")
     p.add_argument("--out-dir", default="/tmp/bert_ddp_bench/packing")
     args = p.parse_args()
     sides = {"a": (args.a_script, args.a), "b": (args.b_script, args.b)}
@@ -65,13 +77,18 @@ def main():
                 for side in ("ab" if repeat % 2 == 0 else "ba"):
                     script, flags = sides[side]
                     found[side].append(run(args, script, flags, size, seq_len,
-                                           os.path.join(args.out_dir, f"{size}-{seq_len}-{side}")))
+                                           os.path.join(args.out_dir, f"{size}-{seq_len}-{side}"), repeat))
             ratios = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(found["a"], found["b"], strict=True)]
             tok_a, tok_b = cells(found, "tokens_per_sec", "{:,.0f}")
             pad_a, pad_b = cells(found, "padding_share", "{:.0%}")
             mfu_a, mfu_b = cells(found, "mfu", "{:.1%}")
             print(f"| {size} | {seq_len} | {tok_a} | {tok_b} | {' / '.join(f'{r:.2f}' for r in ratios)} | "
                   f"{pad_a} ; {pad_b} | {mfu_a} ; {mfu_b} |", flush=True)
+            for step in sorted(found["a"][0]["evals"]) if args.eval_every else ():
+                a, b = (np.array([s["evals"][step] for s in found[side]]) for side in "ab")
+                diff = a - b
+                print(f"  eval MLM loss at step {step}: a {a.mean():.4f}, b {b.mean():.4f}, a - b {diff.mean():+.4f} "
+                      f"(standard error {diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0:.4f})")
 
 
 if __name__ == "__main__":
