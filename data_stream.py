@@ -1422,12 +1422,12 @@ def make_loader(stream, num_workers, pin_memory, timeout_s, collate_fn=None, per
     # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
     # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # The server imports what a worker unpickles (torch, the stream's and the tokenizer's modules)
-    # once; by default it would preload only __main__, and every worker would import torch itself
-    # (measured: 6-11 s a worker on a loaded 2-core machine, 0.1-0.2 s with these).
+    # The server imports torch and the tokenizer's module once; by default it would preload only __main__
+    # and every worker would import torch itself (6-11 s a worker on a loaded 2-core machine, 0.1-0.2 s so).
+    # Not this module: the server finds modules from the working directory, where another data_stream.py
+    # may be; a worker imports it from this process's path.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(sorted({"torch", "numpy", type(stream).__module__,
-                                           type(stream.tokenizer).__module__}))
+    context.set_forkserver_preload(sorted({"torch", "numpy", type(stream.tokenizer).__module__}))
     # Batches are built inside the workers (batch_size=None): one IPC message per batch.
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
     return DataLoader(stream, batch_size=None, collate_fn=collate_fn, num_workers=num_workers,

@@ -36,7 +36,9 @@ def run(args, script, flags, size, seq_len, out_dir, seed):
            "--batch-size", str(args.batch_size), "--max-steps", str(args.steps), "--log-every", "1000",
            "--log-to", "stdout", *evals, "--save-every", "1000000", "--out-dir", out_dir,
            "--resume", "none", "--overwrite", *shlex.split(flags)]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+    root = os.path.dirname(os.path.abspath(script))  # the side's own repository: its workers import from there
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(root) if root.endswith("bench")
+                         else root)
     if out.returncode:
         sys.exit(f"pretrain_ddp.py failed ({' '.join(cmd)}):\n{out.stderr[-3000:]}")
     with open(os.path.join(out_dir, "summary.json")) as f:
