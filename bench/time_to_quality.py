@@ -2,8 +2,8 @@
 Quality per hour (issue 38): pretrain_ddp.py --budget against transformers.Trainer on run_mlm's recipe with the same
 wall-clock budget, the same model, on the same machine, alternating; one evaluator scores both at the same marks.
 
-    python bench/time_to_quality.py                               # mini 480 s, small 300 s a run, seeds 0-2
-    python bench/time_to_quality.py --sizes mini --budget 120 --seeds 0     # a smoke run
+    python bench/time_to_quality.py                               # mini 600 s, small 400 s a run, seeds 0-2
+    python bench/time_to_quality.py --sizes tiny --budget 60 --seeds 0 --marks 3     # a smoke run
 
 Both sides: BERT-SIZE at vocab 30522 (bench/vs_trainer.py's tokenizer: builtin's WordPiece padded with unused
 entries), batch 32 x 128, AdamW as pretrain_ddp.py's (fused, 0.9/0.98, eps 1e-6, decay 0.01 off biases and
@@ -32,15 +32,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-BUDGETS = {"mini": 480, "small": 300}
-LRS = {"mini": 1e-3, "small": 5e-4}
+BUDGETS = {"tiny": 120, "mini": 600, "small": 400}
+LRS = {"tiny": 2e-3, "mini": 1e-3, "small": 5e-4}
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0].strip(),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--sizes", default="mini,small")
-    p.add_argument("--budget", type=float, default=None, help="seconds a run (default: mini 480, small 300)")
+    p.add_argument("--budget", type=float, default=None, help="seconds a run (default: tiny 120, mini 600, small 400)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--marks", type=int, default=8, help="weights saved at k/marks of the budget")
     p.add_argument("--batch-size", type=int, default=32)
