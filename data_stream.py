@@ -50,11 +50,13 @@ import json
 import locale
 import mmap
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import resource
 import select
 import shutil
+import signal
 import sys
 import sysconfig
 import threading
@@ -1049,14 +1051,12 @@ def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, par
     shard documents are open ('open': places in the shard, -1 once none is left), how far each is
     read ('taken'), its units once read ('size', -1 before), the next place to open, the draws made.
 
-    Weighted, not uniform, so the pool drains evenly: each open document loses the same share
-    of what it has left per draw, and a batch mixes documents alike from the first quarter of
-    the epoch to the last, as a global shuffle does (a uniform draw empties the short documents
-    first and ends every shard on its few longest ones). A document is read when it is first
-    drawn, so the first batch waits for the documents it holds, not for --shuffle-docs of them
-    (30 books: 1 s, not 14 s); until then its weight is guessed from its length in the index
-    (the same for every format), then it is its units left, kept in the cursor: the weights are
-    a pure function of the cursor and the corpus, and a resume draws the same documents."""
+    Weighted, not uniform, so the pool drains evenly and a batch mixes documents alike all epoch, as a
+    global shuffle does (a uniform draw empties the short documents first and ends every shard on its
+    few longest ones). A document is read when it is first drawn, so the first batch waits for the
+    documents it holds, not for --shuffle-docs of them (30 books: 1 s, not 14 s); until then its weight
+    is guessed from its length in the index, then it is its units left, kept in the cursor: the weights
+    are a pure function of the cursor and the corpus, and a resume draws the same documents."""
     opened, taken, sizes = position["open"], position["taken"], position["size"]
     live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
 
@@ -1126,18 +1126,15 @@ def shard_samples(position, leftover, rebuild, samples_from, seed, epoch, shard,
     units), then the pool's samples, samples_from(pool) -> (sample, spec) from a pool cursor on
     (updated in place), in blocks of --shuffle-block, each block in a random order (block_order).
 
-    The pool mixes documents (a batch holds samples of many) and keeps the mixture the same
-    all epoch (draws proportional to what each open document has left), but gives each
-    document's samples in the order of its text; the block shuffles them. Both matter on a
-    corpus of few long documents (the pydoc topics alone, 27 epochs in 1,200 steps: the pool
-    alone ends 0.06 nats worse than pool + block, BENCHMARKS section 11); a shuffle of the
-    documents' text cut into windows in the epoch's document order instead ends 0.14 worse.
-    The next block is built one sample per sample used of this one, so a worker's work stays even
-    (a block built at once would stall the trainer at every block); memory: two blocks (measured
-    +40 MB at --max-seq-len 128). Blocks grow from FIRST_BLOCK samples to --shuffle-block
-    (block_length), so the first batch waits for the few documents it holds, not for a block of
-    8,192 samples (on 30 books: 1 s, not 14 s); the rest of a block twice as big as the one read
-    is built at its end, eight times an epoch, and the second block after the first is read."""
+    The pool mixes documents and keeps the mixture the same all epoch, but gives each document's
+    samples in the order of its text; the block shuffles them. Both matter on a corpus of few long
+    documents (the pydoc topics alone, 27 epochs in 1,200 steps: the pool alone ends 0.06 nats worse
+    than pool + block, BENCHMARKS section 11; a shuffle of windows in document order, 0.14 worse).
+    The next block is built one sample per sample used of this one, so a worker's work stays even;
+    memory: two blocks (+40 MB at --max-seq-len 128). Blocks grow from FIRST_BLOCK samples to
+    --shuffle-block (block_length), so the first batch does not wait for a block of 8,192 samples (on
+    30 books: 1 s, not 14 s); the rest of a block twice as big as the one read is built at its end,
+    eight times an epoch, and the second block after the first is read."""
     opened = {}
     last_use = {doc_id: i for i, spec in enumerate(leftover) for doc_id, _, _ in spec}
     for i in range(position["leftover_used"], len(leftover)):
@@ -1203,12 +1200,10 @@ def reshard_state(state, num_shards, doc_bytes, seed, shuffle, num_open, block_s
 class BertPretrainStream(IterableDataset):
     """Batches (dicts of tensors) of BERT pretraining samples, one shard per (rank, worker).
 
-    objective 'nsp': original BERT sentence pairs with next-sentence labels (pack_pairs: several
-    pairs a row, see collate);
-    objective 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
+    objective 'nsp': original BERT sentence pairs with next-sentence labels (pack_pairs: several pairs
+    a row, see collate); 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
     by [SEP], no padding but at the very end of a shard.
-    State: the epoch, the cursor to resume from, what the trainer consumed, the token cache.
-    """
+    State: the epoch, the cursor to resume from, what the trainer consumed, the token cache."""
 
     def __init__(self, corpus="builtin", tokenizer=None, split="train", objective="nsp",
                  max_seq_len=128, batch_size=32, mask_prob=0.15, short_seq_prob=0.1, seed=0,
@@ -1413,22 +1408,26 @@ class BertPretrainStream(IterableDataset):
 
 
 def make_loader(stream, num_workers, pin_memory, timeout_s, collate_fn=None, persistent=False):
-    """A DataLoader of the stream whose workers come from a forkserver, never forked from this process:
-    a trainer runs threads (gloo, the TensorBoard writer, OpenMP, pin-memory) and a child forked while
-    one holds a lock can hang before its first line (seen: an eval worker, 1 job in 30 under load). The
-    forkserver is a fresh single-threaded interpreter that imports the stream's modules once; a worker
-    then starts in ~0.1 s (BENCHMARKS.md section 14). A worker that sends no batch within timeout_s
-    stops the trainer with DataLoader's error instead of a silent hang."""
+    """A DataLoader of the stream (batches built in the workers, batch_size=None: one IPC message each)
+    whose workers come from a forkserver, never forked from this process: a trainer runs threads (gloo,
+    TensorBoard, OpenMP, pin-memory) and a child forked while one holds a lock can hang before its first
+    line (seen: an eval worker, 1 job in 30 under load). The server imports torch and the tokenizer's
+    module once (a worker starts in ~0.1 s, not 6-11 s: BENCHMARKS.md section 14), not this module: it
+    finds modules from the working directory, where another data_stream.py may be. It starts with SIGTERM
+    ignored (fork and exec keep that; quiet_worker undoes it): a SIGTERM to the whole process group
+    (Slurm's scancel, `timeout`) killed it, and the eval after the stop waited forever on workers it could
+    not make. A worker that sends no batch within timeout_s stops the trainer with DataLoader's error."""
     # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
     # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    # The server imports torch and the tokenizer's module once; by default it would preload only __main__
-    # and every worker would import torch itself (6-11 s a worker on a loaded 2-core machine, 0.1-0.2 s so).
-    # Not this module: the server finds modules from the working directory, where another data_stream.py
-    # may be; a worker imports it from this process's path.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(sorted({"torch", "numpy", type(stream.tokenizer).__module__}))
-    # Batches are built inside the workers (batch_size=None): one IPC message per batch.
+    if num_workers and threading.current_thread() is threading.main_thread():
+        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one SIGTERM in this ~1 ms is lost
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            signal.signal(signal.SIGTERM, handler)
     # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
     return DataLoader(stream, batch_size=None, collate_fn=collate_fn, num_workers=num_workers,
                       pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
@@ -1445,6 +1444,7 @@ def quiet_worker(worker_id, trainer_pid):
     forkserver lives as long as its workers do (each holds the fd the server watches), so a SIGKILLed
     or OOM-killed rank would leave its workers waiting forever, holding memory and its stdout."""
     os.setpgrp()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # DataLoader ends a stuck worker with it
     threading.Thread(target=exit_with, args=(trainer_pid,), daemon=True).start()
 
 

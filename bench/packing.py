@@ -10,8 +10,10 @@ Each run is `pretrain_ddp.py --objective nsp` on the builtin corpus in a fresh p
 worker, collate, train_step), --steps optimizer steps; the numbers are summary.json's steady rates (after step 5,
 without eval and saves): tokens_per_sec and mfu count real tokens only, padding_share is the share of the
 computed positions that were padding. The sides alternate (a, b, b, a, ...), one fresh process each; the ratio
-a / b is given per repeat. A side may run through a wrapper script (--a-script) that changes the trainer before
-its main() (bench/last_layer.py's way to switch a model change that has no flag). With --eval-every, repeat k runs
+a / b of steps/hour is given per repeat (both take --batch-size pairs a step: the ratio of real tokens/s, also
+against an older commit's trainer, e.g. --b-script /tmp/base/pretrain_ddp.py, whose tokens/s counted padding).
+A side may run through a wrapper script (--a-script) that changes the trainer before its main() (bench/last_layer.py's
+way to switch a model change that has no flag). With --eval-every, repeat k runs
 with --seed k on both sides (the same initial weights and data) and evaluates builtin's held-out split; the
 table gives each side's mean eval MLM loss at each eval step and the mean paired difference a - b (standard error).
 """
@@ -49,7 +51,7 @@ def run(args, script, flags, size, seq_len, out_dir, seed):
 
 
 def cells(found, key, fmt):
-    return tuple(" / ".join(fmt.format(s[key] or 0) for s in found[side]) for side in "ab")
+    return tuple(" / ".join(fmt.format(s.get(key) or 0) for s in found[side]) for side in "ab")
 
 
 def main():
@@ -70,7 +72,7 @@ def main():
     sides = {"a": (args.a_script, args.a), "b": (args.b_script, args.b)}
     print(f"a: {os.path.basename(args.a_script)} {args.a or '(defaults)'}; b: {os.path.basename(args.b_script)} "
           f"{args.b or '(defaults)'}; batch {args.batch_size}, {args.steps} steps, builtin nsp\n")
-    print("| size | max seq len | a tokens/s | b tokens/s | a / b | padding a / b | MFU a / b |")
+    print("| size | max seq len | a tokens/s | b tokens/s | a / b (pairs/s) | padding a / b | MFU a / b |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for size in args.sizes.split(","):
         for seq_len in [int(x) for x in args.seq_lens.split(",")]:
@@ -80,7 +82,9 @@ def main():
                     script, flags = sides[side]
                     found[side].append(run(args, script, flags, size, seq_len,
                                            os.path.join(args.out_dir, f"{size}-{seq_len}-{side}"), repeat))
-            ratios = [a["tokens_per_sec"] / b["tokens_per_sec"] for a, b in zip(found["a"], found["b"], strict=True)]
+            # Steps/hour: both sides take --batch-size pairs a step, so this is the ratio of real tokens/s even
+            # against an older trainer whose tokens/s counted padding (and whose summary has no padding_share).
+            ratios = [a["steps_per_hour"] / b["steps_per_hour"] for a, b in zip(found["a"], found["b"], strict=True)]
             tok_a, tok_b = cells(found, "tokens_per_sec", "{:,.0f}")
             pad_a, pad_b = cells(found, "padding_share", "{:.0%}")
             mfu_a, mfu_b = cells(found, "mfu", "{:.1%}")

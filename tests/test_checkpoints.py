@@ -325,19 +325,25 @@ def test_hf_export_loads_offline_and_matches(corpus, clean_run):
 
 
 @pytest.mark.slow
-def test_sigterm_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, tok_dir):
+def test_sigterm_to_the_job_stops_every_rank_at_the_same_step_and_saves(tmp_path, corpus, tok_dir):
+    """SIGTERM to the job's process group, as Slurm's scancel and `timeout` send it: torchrun, the ranks
+    and their forkservers get it. Every rank stops at the same step, saves, and runs the last eval with
+    the eval loader's workers of step 4 (which waited forever once the signal had killed the forkserver);
+    the same command goes on from the checkpoint."""
     out = str(tmp_path / "run")
     cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, out), "--num-workers", "1",
-           "--save-every", "1000", "--max-steps", "100000", "--epochs", "50"]
+           "--save-every", "1000", "--max-steps", "100000", "--epochs", "50", "--eval-corpus", corpus,
+           "--eval-every", "4"]
     def stop_at_step_5(line, proc):
         if line.startswith("step 5:"):
-            proc.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session (run_until): only this job's processes
         return False
 
     _, text, _ = run_until(cmd, stop_at_step_5, timeout=200)
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", text).group(1))
     s = summary(out)
     assert s["stopped_by_signal"] and s["steps"] == stopped_at >= 5
+    assert stopped_at % 4 == 0 or re.search(rf"^step {stopped_at}: eval/mlm_loss", text, re.M), text[-3000:]
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step_{stopped_at:06d}"
     rc, again, err2 = run_until([*cmd, "--max-steps", str(stopped_at + 2)])
     assert rc == 0 and f"at step {stopped_at}," in again and summary(out)["steps"] == stopped_at + 2, err2[-2000:]
