@@ -13,8 +13,10 @@ Top to bottom: the flags, the model, a training step and an evaluation, then mai
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import functools
+import gc
 import hashlib
 import importlib
 import inspect
@@ -32,13 +34,17 @@ import time
 import uuid
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
+# The process that started this one (torchrun's agent, a shell), read before the seconds that importing torch
+# takes: an agent that dies meanwhile is seen by die_with_launcher
+LAUNCHER_PID = os.getppid()
 
-import data_stream
-import estimate_steps
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import data_stream  # noqa: E402
+import estimate_steps  # noqa: E402
 
 # BERT sizes of Turc et al. 2019 (tiny..medium) and of the BERT paper (base, large):
 # (layers, hidden, attention heads); the feed-forward width is 4 x hidden.
@@ -94,7 +100,7 @@ def parse_args(argv=None):
     optim.add_argument("--clip", type=number(float, 0), default=1.0, help="gradient norm clipping; 0 turns it off")
     optim.add_argument("--rollback-after", type=number(int, 1), default=10, metavar="N",
                        help="a step whose gradient is inf or NaN is skipped on every rank; after N such steps in a "
-                            "row (seen at the next --log-every step) every rank rolls back to the newest "
+                            "row (read every N and every --log-every steps) every rank rolls back to the newest "
                             "checkpoint and goes on with the data after them; if that does not help, the run stops")
     optim.add_argument("--amp", action="store_true",
                        help="mixed precision: bf16 where the GPU computes it natively (Ampere and later), else "
@@ -406,6 +412,7 @@ def main(argv=None):
     if plan.get("budget"):  # the plan's steps end a --budget run, not the epochs
         step_limit = min(step_limit, progress["step"] + round((plan["total"] - run["plan_pos"]) / step_in_plan))
     eval_metrics, train_loss, grad_norm, stopped, last_eval_step = {}, float("nan"), None, False, None
+    sums = None  # the loss sums of the last step
     while progress["epoch"] < args.epochs and progress["step"] < step_limit and not stopped:
         start_epoch(stream, progress["epoch"], resume_data, args.num_workers)
         resume_data = None
@@ -429,16 +436,20 @@ def main(argv=None):
             step = progress["step"]
             if step % args.log_every == 0:
                 train_loss = log_interval(log, meter, progress, grad_norm, scaler, args.objective)
-                if meter["worst"] >= args.rollback_after:
-                    rollback(args, run, progress, trainer, device, meter)
+            if step % args.log_every == 0 or step % args.rollback_after == 0:
+                if (most := most_skipped_in_a_row(meter)) >= args.rollback_after:
+                    rollback(run, progress, trainer, meter, sums, most)
             mark(meter, progress, device, run)
             save, export = step % args.save_every == 0, args.export_every and step % args.export_every == 0
             eval_now = eval_loader is not None and step % args.eval_every == 0
             if save or export or eval_now:  # time outside training: left out of the steady rates
                 t_pause = clock(device)
+                # Weights that just gave a non-finite loss (the step was skipped: they are the ones that gave
+                # it) are neither saved nor exported: a rollback to them could not help
+                usable = not (save or export) or last_loss_finite(sums)
                 if save:
-                    checkpoint(args, run, progress, trainer, stream, device, log.runs)
-                if export and master and (failed := export_hf(raw_model.hf, tokenizer, out_dir)):
+                    checkpoint(args, run, progress, trainer, stream, device, log.runs, usable)
+                if export and usable and master and (failed := export_hf(raw_model.hf, tokenizer, out_dir)):
                     warn(f"warning: {failed}; training goes on")
                 if eval_now:
                     eval_metrics, last_eval_step = run_eval(raw_model, eval_loader, amp_ctx, args, log, step), step
@@ -453,11 +464,14 @@ def main(argv=None):
         train_loss = log_interval(log, meter, progress, grad_norm, scaler, args.objective)
     if stopped and master:
         say(f"stopped by signal at step {progress['step']} on every rank")
+    # A run never ends well on weights whose loss is not finite: they are neither kept nor exported
+    end_finite(run, progress, sums is None or last_loss_finite(sums), "training")
     checkpoint(args, run, progress, trainer, stream, device, log.runs)
     if eval_loader is not None and last_eval_step != progress["step"]:
         eval_metrics = run_eval(raw_model, eval_loader, amp_ctx, args, log, progress["step"])
         if not eval_metrics and master:
             warn("warning: the eval set produced no masked tokens; eval skipped")
+    end_finite(run, progress, math.isfinite(eval_metrics.get("eval/mlm_loss", 0.0)), "eval")
     eval_loader, failed = None, []  # its persistent workers end here, before the process group does
     if master:
         failed = [e for e in (report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, scaler),
@@ -1281,9 +1295,10 @@ def choose_checkpoint(args, root):
     return path, loaded
 
 
-def checkpoint(args, run, progress, trainer, stream, device, tracker_runs):
+def checkpoint(args, run, progress, trainer, stream, device, tracker_runs, loss_finite=True):
     """Collective: every rank's RNG and data cursor go to rank 0, which writes the checkpoint
-    atomically. A step saved already is not saved again (the final save after a save at that step)."""
+    atomically. A step saved already is not saved again (the final save after a save at that step), nor
+    weights that gave a non-finite loss (loss_finite false: no rollback target)."""
     if run.get("saved_at") == [progress["step"], progress["epoch"]]:
         return
     run["saved_at"] = [progress["step"], progress["epoch"]]
@@ -1308,6 +1323,8 @@ def checkpoint(args, run, progress, trainer, stream, device, tracker_runs):
                                  args.keep_last)
         if not torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all():
             error = f"the weights at step {step} are not finite: not saved; {kept}"
+        elif not loss_finite:
+            say(f"not saved at step {step}: the weights gave a non-finite loss in the last step; {kept}")
         elif error := data_stream.try_write(lambda: say(f"saved {save()}"), f"checkpoint step_{step:06d} into {root}",
                                             root, nbytes(state)):
             error += f"; {kept}: free space and run the same command again to resume there"
@@ -1342,25 +1359,76 @@ def load_trainer(state, raw_model, optimizer, scaler):
         warn("note: the checkpoint trained without fp16: a fresh GradScaler starts")
 
 
-def rollback(args, run, progress, trainer, device, meter):
+def most_skipped_in_a_row(meter):
+    """Collective: the most steps skipped in a row since the last call. Every rank skipped the same steps
+    (their all-reduced gradients are the same); agreed all the same, since it decides a collective."""
+    skips = meter["skips"]
+    most = all_reduce_ctrl([float(skips[2])])[0] / GROUP["world_size"]
+    skips[2] = skips[1]
+    return most
+
+
+def last_loss_finite(sums):
+    """Collective: did the last step give a finite loss on every rank? A step whose loss was not finite was
+    skipped, so the weights now are the ones that gave it."""
+    return all_reduce_ctrl([float(not torch.isfinite(sums[0] + sums[2]))])[0] == 0
+
+
+def rollback(run, progress, trainer, meter, sums, most):
     """Collective: --rollback-after steps in a row had an inf/NaN gradient (skipped). Every rank loads the
     newest checkpoint's weights, optimizer and loss scale, and goes on with the data after those steps (not
-    replayed), the step count and LR plan too. With no checkpoint, or one rolled back to already: a stop."""
-    root = os.path.join(run["out_dir"], "checkpoints")
+    replayed), the step count and LR plan too. No checkpoint is saved while the loss is not finite, so a
+    second rollback to the same one means the steps right after it failed again: it did not help. Then,
+    or with no checkpoint, the run stops (that checkpoint moved aside: a re-run resumes the one before)."""
+    root, step = os.path.join(run["out_dir"], "checkpoints"), progress["step"]
     path = from_rank0(read_latest(root) and os.path.join(root, read_latest(root)))
-    skipped = f"{meter['worst']:.0f} steps in a row up to step {progress['step']} had an inf/NaN gradient (skipped)"
-    agree(f"{skipped}, and " + ("there is no checkpoint to roll back to" if path is None else f"a rollback to "
-          f"{path} did not help") + ": lower --lr, raise --warmup or --clip, or look at the data of these steps"
-          if GROUP["rank"] == 0 and (path is None or run.get("rolled_back_to") == path) else None)
+    what = "a non-finite loss" if not last_loss_finite(sums) else "an inf/NaN gradient"
+    skipped = f"{most:.0f} steps in a row up to step {step} had {what} (skipped)"
+    error = None
+    if GROUP["rank"] == 0 and path is None:
+        error = "there is no checkpoint to roll back to"
+    elif GROUP["rank"] == 0 and run.get("rolled_back_to") == path:
+        error = f"a rollback to {path} did not help (the steps after it were skipped again); " + abandon(root, path)
+    agree(f"{skipped}, and {error}: lower --lr or --clip, raise --warmup, or look at the data of these steps"
+          if error else None)
     mine = read_checkpoint(path)[0] if GROUP["rank"] == 0 else None
     sha = from_rank0(mine and mine["sha256"])
     loaded = fetch(mine, path, lambda: read_checkpoint(path)[0], lambda c: c["sha256"] == sha)
     load_trainer(loaded["trainer.pt"], *trainer)
-    run["rolled_back_to"], progress["rollbacks"], meter["worst"] = path, progress["rollbacks"] + 1, 0
+    run["rolled_back_to"], progress["rollbacks"] = path, progress["rollbacks"] + 1
+    run["saved_at"] = [step, progress["epoch"]]  # these are the weights of path: not saved again at this step
     meter["skips"][1:] = 0
     if GROUP["rank"] == 0:
         say(f"{skipped}: rolled the weights and optimizer back to {path}; the data goes on after step "
-            f"{progress['step']} (the batches since step {loaded['meta']['step']} are not replayed)")
+            f"{step} (the batches since step {loaded['meta']['step']} are not replayed)")
+
+
+def end_finite(run, progress, finite, what):
+    """Collective, at the end: a run whose last weights gave a non-finite loss stops with one line, its final
+    checkpoint (if saved already) moved aside, no export."""
+    root, step = os.path.join(run["out_dir"], "checkpoints"), progress["step"]
+    error = None
+    if GROUP["rank"] == 0 and not finite:
+        saved = read_latest(root) == f"step_{step:06d}" and run.get("saved_at", [None])[0] == step
+        error = (f"the {what} loss at the end (step {step}) is not finite: the model is not exported; "
+                 + (abandon(root, os.path.join(root, f"step_{step:06d}")) if saved else "no checkpoint is saved")
+                 + "; lower --lr or --clip, raise --warmup, or look at the data of the last steps")
+    agree(error)
+
+
+def abandon(root, path):
+    """Rank 0: move a checkpoint whose weights failed aside (checkpoints/abandoned/), `latest` to the one
+    before it; returns the line that says so."""
+    aside = os.path.join(root, "abandoned", os.path.basename(path))
+    shutil.rmtree(aside, ignore_errors=True)
+    os.makedirs(os.path.dirname(aside), exist_ok=True)
+    os.rename(path, aside)
+    older = sorted((d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()), key=lambda d: int(d[5:]))
+    if older:
+        point_latest(root, older[-1])
+    else:
+        os.remove(os.path.join(root, "latest"))
+    return f"it is moved to {aside}" + (f"; a re-run resumes {os.path.join(root, older[-1])}" if older else "")
 
 
 def nbytes(obj):
@@ -1429,8 +1497,8 @@ def new_meter(device, amp_dtype, progress):
     clock (without eval, saves and exports: "paused") at marks after 1 and STEADY_AFTER steps."""
     return {"interval": new_interval(), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
             "start": (progress["step"], progress["tokens_seen"], progress["flops_done"]), "marks": {},
-            "paused": 0.0, "data_wait": 0.0, "computed": 0, "train_base": progress["train_seconds"], "worst": 0,
-            # skipped steps (non-finite gradients): in all, in a row now, the most in a row since the last log
+            "paused": 0.0, "data_wait": 0.0, "computed": 0, "train_base": progress["train_seconds"],
+            # skipped steps (non-finite gradients): in all, in a row now, the most in a row since the last check
             "skips": torch.zeros(3, device=device)}
 
 
@@ -1470,13 +1538,12 @@ def rates(seconds, steps, tokens, flops, peak, world_size):
 
 def log_interval(log, meter, progress, grad_norm, scaler, objective):
     """Log the scalars of the steps since the last call; returns the train loss over them (the steps
-    skipped for an inf/NaN gradient left out). meter["worst"]: the most steps skipped in a row since."""
+    skipped for an inf/NaN gradient left out)."""
     interval, world_size, skips = meter["interval"], GROUP["world_size"], meter["skips"]
-    loss_sums = torch.cat([interval["sums"], skips]).double()
+    loss_sums = torch.cat([interval["sums"], skips[:1]]).double()
     if world_size > 1:
         dist.all_reduce(loss_sums)  # the loss of all ranks, not rank 0's: one sync per log
-    mlm_loss, _, nsp_loss, _, masked, samples, skipped, _, worst = loss_sums.tolist()
-    meter["worst"], skips[2] = worst / world_size, skips[1]  # every rank skipped the same steps
+    mlm_loss, _, nsp_loss, _, masked, samples, skipped = loss_sums.tolist()
     masked, samples = masked / world_size, samples / world_size  # the global counts, on every rank
     elapsed = time.perf_counter() - interval["t0"]
     speed = rates(elapsed, 0, interval["tokens"], interval["flops"], meter["peak"], world_size)
@@ -1766,17 +1833,44 @@ def exit_now(code):
     os._exit(code)
 
 
+def die_with_launcher():
+    """torchrun starts every rank in a session of its own, so a SIGKILL to its agent (or to the agent's
+    process group; the OOM killer) would leave the ranks training on as orphans, writing checkpoints. On
+    Linux the kernel sends a rank SIGTERM when its agent dies: the graceful stop (every rank saves at the
+    next step and exits). An agent that died before this call left the rank another parent. Plain
+    python has no agent: it keeps running when its shell exits (nohup), as it should."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != LAUNCHER_PID:
+        say_error(f"its torchrun agent (pid {LAUNCHER_PID}) ended before this rank started")
+        exit_now(1)
+
+
+def release_frames(error):
+    """main()'s frames, kept by the error that left them, go now, and with them their DataLoaders: the
+    workers end, and the semaphores of their queues are unlinked (exit_now skips the finalizers that would:
+    multiprocessing's resource_tracker then warns of "leaked semaphore objects" after our one line). A
+    frame can also be held in a reference cycle (an exception kept in a local of a frame it passed
+    through: try_write's), which only the collector frees."""
+    error.__traceback__ = None
+    gc.collect()
+
+
 def cli(argv=None):
     """main() with its ends: each kind of failure in one line, a process that ends without teardown."""
+    die_with_launcher()
     data_stream.check_versions("pretrain_ddp.py")
     try:
         main(argv)
     except USER_ERRORS as e:  # found before the ranks could agree (in the flags): each node says it once
         if GROUP["store"] is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
             say_error(str(e))
+        release_frames(e)
         exit_now(2)
     except SystemExit as e:  # the ranks agreed to stop (agree/verify): they leave together
-        e.__traceback__ = None  # main()'s frames go now: their DataLoader workers end before this process
+        release_frames(e)
         if e.code == 2:
             leave_group()
         if e.code is not None and not isinstance(e.code, int):
@@ -1787,11 +1881,13 @@ def cli(argv=None):
         if message.startswith("DataLoader timed out"):
             say_error(f"no batch from this rank's DataLoader workers within --dist-timeout ({message}); a worker "
                       "hung, or the corpus reads too slowly for that timeout")
+            release_frames(e)
             exit_now(1)
         if not isinstance(e, dist.DistError) and "gloo" not in message and "NCCL" not in message:
             raise  # not the process group's: a bug, keep its traceback
         say_error(f"lost the other ranks ({message[:300]}); the first error above, from another rank or "
                   "from torchrun, says why")
+        release_frames(e)
         exit_now(1)
     exit_now(0)
 

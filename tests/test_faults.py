@@ -1,14 +1,16 @@
 """Faults long runs meet (issue 39): a full disk, a second job in the same out dir, a loss that turns NaN.
 Every process is bounded by a timeout; the disk is a small tmpfs in a mount namespace of the test's own."""
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
-from test_checkpoints import TORCHRUN, common, final_weights, kill_all, run_until
+from test_checkpoints import TORCHRUN, common, crash_at, final_weights, kill_all, run_until
 from test_pretrain_ddp import env, summary
 
 INJECT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject.py")
@@ -28,8 +30,9 @@ def folder_bytes(path):
 
 def errors_of(err):
     """The error lines of a run's stderr, which must hold no traceback of ours (torchrun prints its own
-    on a failed child)."""
+    on a failed child), nor multiprocessing's warning of semaphores left behind (a DataLoader's queues)."""
     assert not re.search(r'File "[^"]*(pretrain_ddp|data_stream|estimate_steps)\.py"', err), err[-3000:]
+    assert "resource_tracker" not in err, err[-3000:]
     return [line for line in err.splitlines() if ONE_LINE.match(line)]
 
 
@@ -42,7 +45,8 @@ def test_a_full_disk_stops_in_one_line_and_loses_nothing(tmp_path, corpus, tok_d
     export (1 rank): the final checkpoint is saved, the export is one line. With room, the same
     command resumes and ends bitwise equal to a run that never lacked it."""
     launch = [*TORCHRUN, "--nproc_per_node", "2"] if nproc == 2 else [sys.executable]
-    args = ["--max-steps", "8", "--save-every", "4", "--num-workers", "0"]
+    # 2 ranks with a DataLoader worker each: their queues' semaphores are freed on the error path too
+    args = ["--max-steps", "8", "--save-every", "4", "--num-workers", "0" if nproc == 1 else "1"]
     ref = str(tmp_path / "ref")
     rc, _, err = run_until([*launch, *common(corpus, tok_dir, ref), *args])
     assert rc == 0, err[-3000:]
@@ -104,10 +108,10 @@ def test_a_second_job_in_a_busy_out_dir_stops_before_it_trains(tmp_path, corpus,
             if line.startswith("saved"):
                 break
         t0 = time.time()
-        rc, stdout, err = run_until([sys.executable, *common(str(corpus), tok_dir, out), "--max-steps", "5"],
-                                    timeout=120)
+        rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, out),
+                                     "--max-steps", "5"], timeout=120)
         took = time.time() - t0
-        assert rc == 2 and "step 1:" not in stdout, stdout + err
+        assert rc == 1 and "step 1:" not in stdout, stdout + err  # torchrun's code for a failed rank
         [line] = errors_of(err)
         assert re.search(rf"--out-dir {out} is in use by another job \(held by host \S+, pid \d+, since [\d-]+ "
                          r"[\d:]+\): let it finish or stop it, or give another --out-dir", line), line
@@ -131,7 +135,7 @@ def test_nan_gradients_are_skipped_by_every_rank_and_repeated_ones_roll_back(tmp
     monkeypatch.setenv("INJECT", "nan_grad=1:3,9,10,11,12")
     rc, stdout, err = run_until(cmd)
     assert rc == 0, err[-3000:]
-    assert re.search(rf"^3 steps in a row up to step 11 had an inf/NaN gradient \(skipped\): rolled the weights and "
+    assert re.search(rf"^3 steps in a row up to step 11 had a non-finite loss \(skipped\): rolled the weights and "
                      rf"optimizer back to {out}/checkpoints/step_000008; the data goes on after step 11 \(the "
                      r"batches since step 8 are not replayed\)$", stdout, re.M), stdout[-3000:]
     s = summary(out)
@@ -144,12 +148,13 @@ def test_nan_gradients_are_skipped_by_every_rank_and_repeated_ones_roll_back(tmp
 @pytest.mark.slow
 def test_what_a_rollback_cannot_mend_stops_the_run_and_non_finite_weights_are_never_saved(tmp_path, corpus, tok_dir,
                                                                                           monkeypatch):
-    """NaN from step 2 on with no checkpoint yet: one line, a non-zero exit. Weights made NaN after step
+    """NaN from step 2 on with no checkpoint yet (none is saved of weights that give a NaN loss): one line, a
+    non-zero exit. Weights made NaN after step
     5: the save at step 6 is refused in one line (a NaN checkpoint would rotate the good ones out) and
     the newest checkpoint stays the one of step 3."""
     base = [sys.executable, INJECT, *common(str(corpus), tok_dir, "OUT")[1:], "--num-workers", "0"]
     cases = {"nan_grad=0:" + ",".join(map(str, range(2, 30))): (["--rollback-after", "3", "--max-steps", "20"],
-                                                               r"steps in a row up to step \d+ had an inf/NaN gradient "
+                                                               r"steps in a row up to step \d+ had a non-finite loss "
                                                                r"\(skipped\), and there is no checkpoint to roll back "
                                                                r"to: lower --lr"),
              "nan_weights=5": (["--max-steps", "12", "--save-every", "3"],
@@ -164,3 +169,96 @@ def test_what_a_rollback_cannot_mend_stops_the_run_and_non_finite_weights_are_ne
         assert re.search(expected, line), line
     assert open(os.path.join(tmp_path, "run1", "checkpoints", "latest")).read() == "step_000003"
     assert sorted(os.listdir(os.path.join(tmp_path, "run1", "checkpoints"))) == ["latest", "step_000003"]
+
+
+def loss_on_a_batch(checkpoint, tok_dir):
+    """The MLM + NSP loss of a checkpoint's weights on one sentence pair."""
+    from transformers import BertConfig, BertForPreTraining
+
+    import data_stream
+    meta = json.load(open(os.path.join(checkpoint, "manifest.json")))["meta"]
+    model = BertForPreTraining(BertConfig(**meta["config"]["architecture"])).eval()
+    model.load_state_dict(torch.load(os.path.join(checkpoint, "trainer.pt"), weights_only=True)["model"])
+    batch = data_stream.get_tokenizer(tok_dir)("the river and the stone", "a garden in winter", return_tensors="pt")
+    with torch.no_grad():
+        return float(model(**batch, labels=batch["input_ids"], next_sentence_label=torch.tensor([0])).loss)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_loss_that_stays_nan_stops_the_run_and_no_checkpoint_left_gives_it(tmp_path, corpus, tok_dir, nproc):
+    """Four good steps, then the run resumed with --lr 1e6: step 5 is applied and leaves finite weights that
+    give a NaN loss from step 6 on. Those steps are skipped and no checkpoint of them is saved; the rollback
+    to step 5's (saved before its loss was seen) is followed by NaN again, so the run stops in one line
+    naming the checkpoint tried, non-zero, within 3 x --rollback-after steps of the first skipped step. That
+    checkpoint is moved aside, `latest` names step 4's, no hf/ is written; every checkpoint left gives a
+    finite loss on a batch."""
+    out = str(tmp_path / "run")
+    launch = [*TORCHRUN, "--nproc_per_node", "2"] if nproc == 2 else [sys.executable]
+    cmd = [*launch, *common(str(corpus), tok_dir, out), "--num-workers", "1", "--save-every", "1",
+           "--rollback-after", "3", "--max-steps", "40"]
+    rc, _, _ = run_until(cmd, crash_at(r"^saved .*step_000004"))
+    assert rc != 0
+    rc, stdout, err = run_until([*cmd, "--lr", "1e6"])
+    assert rc == (2 if nproc == 1 else 1), err[-3000:]  # torchrun's code for a failed rank: 1
+    [line] = errors_of(err)
+    ckpts = os.path.join(out, "checkpoints")
+    found = re.search(rf"error: (?:rank 0 on \S+: )?(\d+) steps in a row up to step (\d+) had a non-finite loss "
+                      rf"\(skipped\), and a rollback to {ckpts}/step_000005 did not help \(the steps after it were "
+                      rf"skipped again\); it is moved to {ckpts}/abandoned/step_000005; a re-run resumes "
+                      rf"{ckpts}/step_000004: lower --lr", line)
+    assert found, line
+    grad_norms = [float(v) for v in re.findall(r"train/grad_norm ([^,]+),", stdout)]
+    first_skipped = 4 + next(k for k, v in enumerate(grad_norms, 1) if v != v)  # the log starts at step 5
+    assert first_skipped == 6 and int(found[2]) - first_skipped < 3 * 3, (first_skipped, line)
+    assert "not saved at step 6: the weights gave a non-finite loss in the last step" in stdout
+    assert not os.path.exists(os.path.join(out, "hf"))
+    assert open(os.path.join(ckpts, "latest")).read() == "step_000004"
+    left = sorted(d for d in os.listdir(ckpts) if d.startswith("step_"))
+    assert left == ["step_000003", "step_000004"], left  # --keep-last 3 rotated step 2 out at step 5
+    assert all(loss_on_a_batch(os.path.join(ckpts, d), tok_dir) < 20 for d in left)  # finite, and trained
+    damaged = loss_on_a_batch(os.path.join(ckpts, "abandoned", "step_000005"), tok_dir)
+    assert not damaged < 1e3, damaged  # step 5's weights (NaN on the training batches)
+
+
+@pytest.mark.slow
+def test_a_sigkilled_torchrun_leaves_no_rank_behind_and_the_rerun_resumes_bitwise(tmp_path, corpus, tok_dir):
+    """SIGKILL to torchrun's process group only (its ranks run in sessions of their own): the kernel sends
+    every rank SIGTERM as its agent dies, so they stop together at the next step and save; every process
+    of the job is gone within 30 s (run_until fails otherwise). The same command then resumes and ends
+    bitwise equal to a run never interrupted."""
+    args = ["--num-workers", "1", "--save-every", "1000", "--max-steps", "14"]
+    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
+    rc, _, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, ref), *args])
+    assert rc == 0, err[-3000:]
+    cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, out), *args]
+
+    def kill_the_agent_at_step_5(line, proc):
+        if line.startswith("step 5:"):
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own session (run_until): not the ranks'
+        return False
+    rc, stdout, err = run_until(cmd, kill_the_agent_at_step_5)
+    assert rc == -signal.SIGKILL, err[-3000:]
+    stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", stdout)[1])
+    assert 5 <= stopped_at < 14 and f"saved {out}/checkpoints/step_{stopped_at:06d}" in stdout, stdout[-3000:]
+    rc, stdout, err = run_until(cmd)
+    assert rc == 0 and f"resumed from {out}/checkpoints/step_{stopped_at:06d}" in stdout, err[-3000:]
+    a, b = final_weights(ref), final_weights(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_a_plain_run_outlives_the_shell_that_started_it(tmp_path, corpus, tok_dir):
+    """Without torchrun there is no agent to die with: `python pretrain_ddp.py ... &` from a shell that then
+    ends (a closed terminal, nohup) trains on to its end."""
+    out = str(tmp_path / "run")
+    plain = " ".join([sys.executable, *common(str(corpus), tok_dir, out), "--max-steps", "3", "--num-workers", "0"])
+    shell = subprocess.run(["sh", "-c", f"{plain} > {tmp_path}/log 2>&1 & echo $!"], capture_output=True, text=True,
+                           env=env(), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=60)
+    pid = int(shell.stdout)
+    deadline = time.time() + 240
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.5)
+    if os.path.exists(f"/proc/{pid}"):
+        os.kill(pid, signal.SIGKILL)
+    assert summary(out)["steps"] == 3, open(tmp_path / "log").read()[-3000:]

@@ -270,3 +270,38 @@ def test_restarts_used_up_end_every_agent_with_one_line(tmp_path, corpus, tok_di
     assert len(errors) == 1 and re.match(r"pretrain_ddp.py: error: rank 0 on \S+: lost the other ranks \(.*"
                                          r"Connection (closed|reset) by peer", errors[0]), errors
     assert "exitcode: -9" in results[killed[0]][2]  # and torchrun names the rank that was killed
+
+
+def test_a_sigkilled_agent_of_the_second_node_stops_the_job_and_the_rerun_resumes_exactly(tmp_path, corpus, tok_dir,
+                                                                                          reference):
+    """SIGKILL to node 1's torchrun agent (its process group; its rank runs in a session of its own): the
+    kernel sends that rank SIGTERM, and the per-step all_reduce stops every rank of the job at the same
+    step with a checkpoint; every rank is gone within 30 s (node 0's agent then waits in torchrun's exit
+    barrier for the dead one, up to its 300 s: ended here). Both nodes started again resume the job and
+    end bitwise equal to the job never interrupted."""
+    nodes = make_nodes(tmp_path, corpus)
+    ranks_ended = []
+
+    def end_when_the_ranks_have(agents):
+        deadline = time.time() + 30
+        while any(processes_in(node, workers_only=True) for node in nodes) and time.time() < deadline:
+            time.sleep(0.1)
+        ranks_ended.append(not any(processes_in(node, workers_only=True) for node in nodes))
+        for pid in agents:
+            os.killpg(pid, signal.SIGKILL)
+
+    def kill_node_1_s_agent_at_step_6(k, line):
+        if line.startswith("step 6:") and not ranks_ended:
+            ranks_ended.append("killed")
+            agents = [[pid for pid in processes_in(node) if pid not in processes_in(node, True)] for node in nodes]
+            os.killpg(agents[1][0], signal.SIGKILL)  # the agent's own session (run_nodes)
+            threading.Thread(target=end_when_the_ranks_have, args=(agents[0],)).start()
+
+    results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tok_dir], kill_node_1_s_agent_at_step_6)
+    assert ranks_ended == ["killed", True], ranks_ended
+    stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", results[0][1])[1])
+    assert 6 <= stopped_at < 12 and f"saved run/checkpoints/step_{stopped_at:06d}" in results[0][1]
+    results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tok_dir])
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    assert f"resumed from run/checkpoints/step_{stopped_at:06d}" in results[0][1]
+    assert same_weights(reference, final_weights(os.path.join(nodes[0], "run")))
