@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-p.add_argument("--model-size", default="small", choices=P.MODEL_SIZES)
+p.add_argument("--model-size", default="small", choices=M.MODEL_SIZES)
 p.add_argument("--repeats", type=int, default=3)
 args = p.parse_args()
 
@@ -31,7 +32,7 @@ join_s = time.perf_counter() - t0
 rank = P.GROUP["rank"]
 
 torch.manual_seed(0)
-model = P.Pretraining(P.model_from(P.new_architecture(args.model_size, 30522, 128, 0), "nsp", 0.1))
+model = M.Pretraining(M.model_from(M.new_architecture(args.model_size, 30522, 128, 0), "nsp", 0.1))
 optimizer = torch.optim.AdamW(model.parameters(), fused=True)
 for p_ in model.parameters():
     p_.grad = torch.zeros_like(p_)

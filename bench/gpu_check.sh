@@ -332,6 +332,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
+import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
 SIZE, WIDTH, BATCH, STEPS, VOCAB = os.environ["DDP_SIZE"], int(os.environ["DDP_SEQ"]), 8, 3, 8192
@@ -368,7 +369,7 @@ def train(model, ranks, parts_of):
     for step in range(STEPS):
         everything = step_batches(step)
         g_masked = sum(int((b["labels"] != -100).sum()) for b in everything)
-        window = [P.prepare(P.sparse_targets(dict(b)), device)[0] for b in parts_of(everything)]
+        window = [M.prepare(M.sparse_targets(dict(b)), device)[0] for b in parts_of(everything)]
         sums = P.train_step(model, opt, scaler, window, g_masked, BATCH * world, ranks, amp, 1.0, 0.05)[0]
         local = torch.tensor([float(sums[0])], dtype=torch.float64, device=device)  # nccl: on the GPU
         if ranks > 1:
@@ -378,12 +379,12 @@ def train(model, ranks, parts_of):
 
 
 torch.manual_seed(0)
-layers, hidden, heads = P.MODEL_SIZES[SIZE]
+layers, hidden, heads = M.MODEL_SIZES[SIZE]
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                     intermediate_size=4 * hidden, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-model = P.Pretraining(BertForMaskedLM(config)).to(device)
+model = M.Pretraining(BertForMaskedLM(config)).to(device)
 reference, initial = copy.deepcopy(model), copy.deepcopy(model)
 wrapped = P.wrap_ddp(model, device)
 assert isinstance(wrapped, DDP), type(wrapped)

@@ -8,9 +8,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
-subset_layer = P.Pretraining.layer
+subset_layer = M.Pretraining.layer
 
 
 def full_layer(self, layer, x, rows, real_pos, mask, reads=None):
@@ -19,5 +20,5 @@ def full_layer(self, layer, x, rows, real_pos, mask, reads=None):
 
 
 if __name__ == "__main__":
-    P.Pretraining.layer = full_layer
+    M.Pretraining.layer = full_layer
     P.cli()

@@ -25,6 +25,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 import data_stream  # noqa: E402
+import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
 # The first matching substring names an operator's kind (aten names, forward and backward).
@@ -49,7 +50,7 @@ def kind_of(name):
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip().split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-size", default="mini", choices=P.MODEL_SIZES)
+    p.add_argument("--model-size", default="mini", choices=M.MODEL_SIZES)
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-seq-len", type=int, default=128)
@@ -71,12 +72,12 @@ def main():
     batches = []
     for raw in stream:
         raw.pop("cursor")
-        batches.append(P.prepare(P.sparse_targets(raw), cpu))
+        batches.append(M.prepare(M.sparse_targets(raw), cpu))
         if len(batches) == args.warmup + args.steps + args.profile_steps:
             break
     torch.manual_seed(0)
-    architecture = P.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id)
-    model = P.Pretraining(P.model_from(architecture, "mlm", args.dropout))
+    architecture = M.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id)
+    model = M.Pretraining(M.model_from(architecture, "mlm", args.dropout))
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
     rest = [p for n, p in model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
@@ -90,7 +91,7 @@ def main():
     for batch, counts in batches[:args.warmup]:
         step(batch, counts)
     timed = batches[args.warmup:args.warmup + args.steps]
-    flops = sum(P.train_flops(model.hf.config, counts) for _, counts in timed)
+    flops = sum(M.train_flops(model.hf.config, counts) for _, counts in timed)
     t0 = time.perf_counter()
     for batch, counts in timed:
         step(batch, counts)

@@ -65,6 +65,7 @@ def ours_worker(args, argv):
     """pretrain_ddp.py's own main (its cli), saving the weights when its training clock passes a mark."""
     import torch
 
+    import model as M
     import pretrain_ddp as P
     marks = [args.seconds * k / args.marks for k in range(1, args.marks + 1)]
     count_step, saved = P.count_step, []
@@ -85,13 +86,13 @@ def ours_worker(args, argv):
         return meter
 
     MODEL = []
-    pretraining = P.Pretraining.__init__
+    pretraining = M.Pretraining.__init__
 
     def remember(self, hf_model):
         pretraining(self, hf_model)
         MODEL.append(self)
 
-    P.Pretraining.__init__, P.count_step, P.new_meter = remember, counted, meter_with_model
+    M.Pretraining.__init__, P.count_step, P.new_meter = remember, counted, meter_with_model
     P.cli(argv)
 
 
@@ -127,6 +128,7 @@ def trainer_worker(args):
 
     import data_stream
     import estimate_steps
+    import model as M
     import pretrain_ddp as P
     tok = data_stream.get_tokenizer(args.tokenizer)
     docs = split_documents(tok, argparse.Namespace(corpus="builtin"), "train")
@@ -135,9 +137,9 @@ def trainer_worker(args):
     blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
               for i in range(0, len(ids) // n * n, n)]
     torch.manual_seed(args.seed)
-    model = P.model_from(P.new_architecture(args.size, len(tok), n, tok.pad_token_id), "mlm", 0.1)
+    model = M.model_from(M.new_architecture(args.size, len(tok), n, tok.pad_token_id), "mlm", 0.1)
     steps = args.steps or args.calibration_steps
-    optimizer = P.new_optimizer(P.Pretraining(model), LRS[args.size], 0.01)
+    optimizer = M.new_optimizer(M.Pretraining(model), LRS[args.size], 0.01)
     warmup = estimate_steps.warmup_steps(0.06, steps)
     plan = {"total": steps, "warmup": warmup, "decay_from": [warmup, 1.0]}
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: P.lr_factor(plan, s))

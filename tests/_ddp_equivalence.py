@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
 ACCUM, BATCH, WIDTH, VOCAB, STEPS = int(sys.argv[1]), 3, 24, 120, 3
@@ -39,7 +40,7 @@ def run(model, world_size, windows_of_step, clip):
         everything = global_batches(step, ACCUM * dist.get_world_size())
         g_masked = sum(int((b["labels"] != -100).sum()) for b in everything)
         g_samples = sum(len(b["input_ids"]) for b in everything)
-        window = [P.prepare(P.sparse_targets(dict(b)), torch.device("cpu"))[0] for b in windows_of_step(everything)]
+        window = [M.prepare(M.sparse_targets(dict(b)), torch.device("cpu"))[0] for b in windows_of_step(everything)]
         P.train_step(model, opt, scaler, window, g_masked, g_samples, world_size,
                      contextlib.nullcontext(), clip=clip, lr=0.5)
 
@@ -48,7 +49,7 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 for clip in (0.0, 0.5):
     torch.manual_seed(0)
-    model = P.Pretraining(P.model_from(P.new_architecture("tiny", VOCAB, WIDTH, 0), "nsp", 0.0))
+    model = M.Pretraining(M.model_from(M.new_architecture("tiny", VOCAB, WIDTH, 0), "nsp", 0.0))
     reference, initial = copy.deepcopy(model), copy.deepcopy(model)
     ddp = P.wrap_ddp(model, torch.device("cpu"))  # the trainer's DDP settings
     run(ddp, world, lambda everything: everything[rank * ACCUM:(rank + 1) * ACCUM], clip)

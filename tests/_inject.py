@@ -7,6 +7,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
 if __name__ == "__main__":  # DataLoader workers start from a forkserver, which runs this file again
@@ -14,7 +15,7 @@ if __name__ == "__main__":  # DataLoader workers start from a forkserver, which 
     rank, steps = spec.get("nan_grad", "-1:").split(":")
     nan_steps, nan_weights_at = {int(s) for s in steps.split(",") if s}, int(spec.get("nan_weights", -1))
     state = {"step": 0, "poison": False}
-    train_step, count_step, restore, forward = P.train_step, P.count_step, P.restore, P.Pretraining.forward
+    train_step, count_step, restore, forward = P.train_step, P.count_step, P.restore, M.Pretraining.forward
 
     def poisoned_forward(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
@@ -40,6 +41,6 @@ if __name__ == "__main__":  # DataLoader workers start from a forkserver, which 
         state["step"] = progress["step"]
         return progress, data
 
-    P.Pretraining.forward, P.train_step, P.count_step, P.restore = poisoned_forward, injected_train_step, counted, \
+    M.Pretraining.forward, P.train_step, P.count_step, P.restore = poisoned_forward, injected_train_step, counted, \
         restored
     P.cli()

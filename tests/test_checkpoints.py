@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, release_out_dir_locks
 from test_pretrain_ddp import SCRIPT, env, summary
 
+import model as M
 import pretrain_ddp as P
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -306,12 +307,12 @@ def test_hf_export_loads_offline_and_matches(corpus, clean_run):
     assert len(answers) == 5 and all("token_str" in a for a in answers)
     # The exported model's MLM logits are the training model's (whose head runs sparsely).
     import data_stream
-    trained = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
+    trained = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
                                          "nsp", 0.1))
     trained.hf.load_state_dict(final_weights(out))
     trained.eval()
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=8, rank=0, world_size=1)
-    batch = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))[0]
+    batch = M.prepare(M.sparse_targets(next(iter(stream))), torch.device("cpu"))[0]
     with torch.no_grad():
         full = mlm(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
                    attention_mask=batch.get("attention_mask")).logits

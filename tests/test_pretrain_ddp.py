@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ROOT, write_corpus
 
+import model as M
 import pretrain_ddp as P
 
 SCRIPT = os.path.join(ROOT, "pretrain_ddp.py")
@@ -289,10 +290,10 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
 
     import data_stream
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
-    batch, counts = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    batch, counts = M.prepare(M.sparse_targets(next(iter(stream))), torch.device("cpu"))
     masked = counts["num_masked"]
     torch.manual_seed(0)
-    model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
+    model = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
                                        "nsp", 0.0))
     before = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.AdamW(model.parameters())
@@ -311,13 +312,13 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
     and clipped on the unscaled gradients: the same numbers."""
     import data_stream
     stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
-    batch, counts = P.prepare(P.sparse_targets(next(iter(stream))), torch.device("cpu"))
+    batch, counts = M.prepare(M.sparse_targets(next(iter(stream))), torch.device("cpu"))
     masked = counts["num_masked"]
     found = {}
     for loss_scale in (None, 2.0 ** 12):
         for clip in (0.0, 0.01):
             torch.manual_seed(0)
-            model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
+            model = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
                                                "nsp", 0.0))
             before = [p.detach().clone() for p in model.parameters()]
             scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0, enabled=loss_scale is not None)
@@ -551,7 +552,7 @@ def test_packed_pairs_give_each_pair_the_logits_of_its_own_row(corpus, tokenizer
     targets are the same too. And packing fills rows: fewer rows than pairs, less padding."""
     import data_stream
     torch.manual_seed(0)
-    model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 128, tokenizer.pad_token_id),
+    model = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 128, tokenizer.pad_token_id),
                                        "nsp", 0.1)).eval()
     streams = [data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=96, batch_size=12, rank=0, world_size=1,
                                               whole_word_mask=whole_word, pack_pairs=pack, seed=3, short_seq_prob=0.6)
@@ -561,7 +562,7 @@ def test_packed_pairs_give_each_pair_the_logits_of_its_own_row(corpus, tokenizer
         for plain, packed in itertools.islice(zip(*streams, strict=True), 6):
             outs = []
             for raw in (plain, packed):
-                batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"))
+                batch, counts = M.prepare(M.sparse_targets(raw), torch.device("cpu"))
                 logits, nsp = model.logits(**{k: v for k, v in batch.items()
                                               if k not in ("masked_targets", "next_sentence_label")})
                 order = sorted(range(len(logits)), key=pair_keys(batch).__getitem__)
@@ -584,7 +585,7 @@ def test_no_host_read_and_the_stock_model_s_math():
     Hugging Face's own BertForPreTraining forward with the 2-D mask (which reads the mask back)."""
     import torch.nn.functional as F
     torch.manual_seed(0)
-    model = P.Pretraining(P.model_from(P.new_architecture("tiny", 300, 32, 0), "nsp", 0.0))
+    model = M.Pretraining(M.model_from(M.new_architecture("tiny", 300, 32, 0), "nsp", 0.0))
     ids = torch.randint(5, 300, (4, 16))
     reads, originals = [0], {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist")}
 
@@ -624,7 +625,7 @@ def test_no_host_read_and_the_stock_model_s_math():
         labels[0, 1], labels[1, 4], labels[2, 2], labels[3, 3] = 7, 8, 9, 10
         raw = {"input_ids": ids * mask, "token_type_ids": (torch.arange(16) > 7).long().expand(4, -1),
                "attention_mask": mask, "labels": labels, "next_sentence_label": torch.tensor([0, 1, 0, 1])}
-        batch, counts = P.prepare(P.sparse_targets(dict(raw)), torch.device("cpu"))
+        batch, counts = M.prepare(M.sparse_targets(dict(raw)), torch.device("cpu"))
         assert counts["num_tokens"] == int(mask.sum()) and ("attention_mask" in batch) == padded
         out, n_reads = forward_backward(lambda batch=batch: model(**batch))
         assert n_reads == 0, (padded, n_reads)
@@ -635,7 +636,7 @@ def test_no_host_read_and_the_stock_model_s_math():
     raw = {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": (sequence >= 0).long(),
            "labels": labels, "position_ids": torch.zeros_like(ids), "sequence_ids": sequence,
            "next_sentence_label": torch.tensor([0, 1, 0, 1, 1, 0]), "cls_pos": torch.tensor([0, 6, 16, 32, 48, 52])}
-    batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"))
+    batch, counts = M.prepare(M.sparse_targets(raw), torch.device("cpu"))
     assert "attention_mask" not in batch and counts["num_attended"] == 36 + 100 + 81 + 256 + 16 + 144
     assert forward_backward(lambda: model(**batch))[1] == 0
 
@@ -650,7 +651,7 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     import data_stream
     torch._dynamo.reset()
     counter = CompileCounter()  # a backend that counts the graphs dynamo hands it, and runs them eagerly
-    model = P.Pretraining(P.model_from(P.new_architecture("tiny", len(tokenizer), 64, tokenizer.pad_token_id),
+    model = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 64, tokenizer.pad_token_id),
                                        "nsp", 0.0))
     compiled = torch.compile(model, backend=counter)
     kinds = []
@@ -667,7 +668,7 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
             raw["labels"][row, col] = raws[0]["labels"][row, col]
         raws.append(raw)
     for raw in raws:
-        batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
+        batch, counts = M.prepare(M.sparse_targets(raw), torch.device("cpu"), dynamic=True)
         compiled(**batch)[0].backward()
         kinds.append((counts["num_samples"], counts["num_masked"], "attention_mask" in batch))
     assert len(set(kinds)) >= 11 and {mask for *_, mask in kinds} == {True, False}
@@ -682,7 +683,7 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
         stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, rank=0,
                                                 world_size=1, pack_pairs=True, short_seq_prob=0.5)
         for raw in itertools.islice(stream, 2):
-            batch, counts = P.prepare(P.sparse_targets(raw), torch.device("cpu"), dynamic=True)
+            batch, counts = M.prepare(M.sparse_targets(raw), torch.device("cpu"), dynamic=True)
             compiled(**batch)[0].backward()
             shapes.add((tuple(raw["input_ids"].shape), counts["num_samples"]))
     assert len({rows for (rows, _), _ in shapes}) >= 4 and {1} <= {n for _, n in shapes}, shapes

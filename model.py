@@ -1,0 +1,205 @@
+"""
+The model of pretrain_ddp.py, in a file of its own to copy into another repo: a Hugging Face BertForPreTraining
+(or BertForMaskedLM) that computes only the real work, with the same weights and the same math per pair.
+
+    import model
+    hf = model.model_from(model.new_architecture("mini", vocab_size=30522, max_seq_len=128, pad_id=0), "nsp", 0.1)
+    net = model.Pretraining(hf)                          # hf.save_pretrained(...) stays a plain BERT
+    batch, counts = model.prepare(model.sparse_targets(collated_batch), device)
+    mlm_loss_sum, mlm_correct, nsp_loss_sum, nsp_correct = net(**batch)
+
+Top to bottom: the sizes and the model's construction, the packed and unpadded forward (Pretraining), its input
+contract (sparse_targets, the collate function that turns a batch of data_stream.py's into what the forward
+reads; prepare, which puts it on the device) and its FLOPs (for MFU). It needs torch and transformers only.
+"""
+import torch
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------- sizes and construction
+
+# BERT sizes of Turc et al. 2019 (tiny..medium) and of the BERT paper (base, large):
+# (layers, hidden, attention heads); the feed-forward width is 4 x hidden.
+MODEL_SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8),
+               "medium": (8, 512, 8), "base": (12, 768, 12), "large": (24, 1024, 16)}
+
+
+def new_architecture(model_size, vocab_size, max_seq_len, pad_id):
+    """The BertConfig fields (no dropout) of a model built from scratch; runs keep them in their config."""
+    layers, hidden, heads = MODEL_SIZES[model_size]
+    return {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
+            "num_attention_heads": heads, "intermediate_size": 4 * hidden,
+            "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
+
+
+def size_name(architecture):
+    """'tiny' .. 'large' for the sizes of MODEL_SIZES, else e.g. '6L-384H-12A'."""
+    a = architecture
+    shape = (a["num_hidden_layers"], a["hidden_size"], a["num_attention_heads"])
+    for name, size in MODEL_SIZES.items():
+        if size == shape and a.get("intermediate_size", 4 * a["hidden_size"]) == 4 * a["hidden_size"]:
+            return name
+    return "{}L-{}H-{}A".format(*shape)
+
+
+def model_from(architecture, objective, dropout):
+    """A fresh BertForPreTraining (nsp) or BertForMaskedLM (mlm) of that architecture (seed torch first)."""
+    from transformers import BertConfig, BertForMaskedLM, BertForPreTraining  # here: data workers import this file
+    config = BertConfig(**{**architecture, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
+    return (BertForPreTraining if objective == "nsp" else BertForMaskedLM)(config)
+
+
+def new_optimizer(raw_model, lr, weight_decay):
+    """AdamW with BERT's settings; no decay on biases and LayerNorm."""
+    decay = [p for n, p in raw_model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
+    no_decay = [p for n, p in raw_model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
+    # fused: one kernel for all parameters (measured 6.6x faster than the for-loop on this CPU too)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98),
+                             eps=1e-6, fused=True)
+
+
+# ----------------------------------------------------------------------------- the forward: real work only
+
+class Pretraining(torch.nn.Module):
+    """A Hugging Face BERT run with its own submodules, computing only what its heads read (the module
+    tree stays the Hugging Face model's: `self.hf.save_pretrained` output loads anywhere unchanged):
+    - the MLM head only at masked positions (the vocabulary projection is most of a small BERT's FLOPs);
+    - every layer's linear layers, LayerNorms and dropouts on the real tokens only (real_pos; MosaicBERT's
+      unpadding): padding costs only the attention, which runs in the rows, masked;
+    - rows may hold several pairs (data_stream's packing): sequence_ids give a block-diagonal mask,
+      position_ids restart per pair, the NSP head reads each pair's [CLS] (cls_pos) through the pooler;
+    - the last layer's attention output and feed-forward only for the rows the heads read (MosaicBERT).
+    Per pair the math of BertForPreTraining on a row of its own (tests: 1e-4). Returns per-batch sums:
+    (mlm loss, mlm correct, nsp loss, nsp correct)."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        self.hf = hf_model
+
+    def forward(self, input_ids, token_type_ids, masked_pos, masked_targets, attention_mask=None,
+                position_ids=None, sequence_ids=None, real_pos=None, cls_pos=None, next_sentence_label=None):
+        logits, nsp_logits = self.logits(input_ids, token_type_ids, masked_pos, attention_mask, position_ids,
+                                         sequence_ids, real_pos, cls_pos)
+        mlm_loss = F.cross_entropy(logits, masked_targets, reduction="sum")
+        mlm_correct = (logits.argmax(-1) == masked_targets).sum()
+        if next_sentence_label is None:
+            zero = mlm_loss.new_zeros(())
+            return torch.stack([mlm_loss, mlm_correct.float(), zero, zero])
+        nsp_loss = F.cross_entropy(nsp_logits, next_sentence_label, reduction="sum")
+        nsp_correct = (nsp_logits.argmax(-1) == next_sentence_label).sum()
+        return torch.stack([mlm_loss, mlm_correct.float(), nsp_loss, nsp_correct.float()])
+
+    def logits(self, input_ids, token_type_ids, masked_pos, attention_mask=None, position_ids=None,
+               sequence_ids=None, real_pos=None, cls_pos=None):
+        """(MLM logits at masked_pos, NSP logits at cls_pos or None); both index the real tokens in row
+        order (real_pos: where those are in the flattened rows; None: every position is real)."""
+        bert = self.hf.bert
+        if sequence_ids is not None:
+            attention_mask = sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]
+        x = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+        rows = x.shape[:2]
+        x = x.flatten(0, 1) if real_pos is None else x.flatten(0, 1).index_select(0, real_pos)
+        *layers, last = bert.encoder.layer
+        for layer in layers:
+            x = self.layer(layer, x, rows, real_pos, attention_mask)
+        x = self.layer(last, x, rows, real_pos, attention_mask, masked_pos if cls_pos is None else
+                       torch.cat([masked_pos, cls_pos]))
+        logits = self.hf.cls.predictions(x[:len(masked_pos)]).float()
+        if cls_pos is None:
+            return logits, None
+        pooled = bert.pooler(x[len(masked_pos):, None])  # the pooler reads position 0
+        return logits, self.hf.cls.seq_relationship(pooled).float()
+
+    def layer(self, layer, x, rows, real_pos, mask, reads=None):
+        """A BertLayer on the real tokens x (n, hidden), attention in the rows; with reads (indices into
+        x) only those rows come out: the last layer."""
+        att = layer.attention.self
+
+        def in_rows(t):  # (n, hidden) -> (rows, heads, width, head size), zeros at the padding
+            if real_pos is not None:
+                t = t.new_zeros(rows[0] * rows[1], t.shape[1]).index_copy(0, real_pos, t)
+            return t.view(*rows, att.num_attention_heads, att.attention_head_size).transpose(1, 2)
+        a = F.scaled_dot_product_attention(*(in_rows(f(x)) for f in (att.query, att.key, att.value)), attn_mask=mask,
+                                           dropout_p=att.dropout.p if self.training else 0.0)
+        a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
+        if reads is not None:
+            a, x = a.index_select(0, reads), x.index_select(0, reads)
+        a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
+        return layer.output(layer.intermediate(a), a)
+
+
+# ----------------------------------------------------------------------------- its input contract and FLOPs
+
+def sparse_targets(batch):
+    """The DataLoader's collate_fn (it runs in the worker; its tensors are pinned with the rest): masked
+    positions and targets instead of labels, the real tokens' positions, a 4-D boolean mask where a
+    batch pads (nothing the model reads back: no host sync), and its host counts. torch.compile
+    specialises sizes 0 and 1, so a batch of one row or pair gets a copy of its row (nothing read in it)
+    and an NSP label -100 (ignored), and masked positions are padded to two with target -100."""
+    labels, mask = batch.pop("labels"), batch.pop("attention_mask")
+    batch.update(counts_of(mask, batch.get("sequence_ids"), batch.get("next_sentence_label")))
+    if "next_sentence_label" in batch and "cls_pos" not in batch:  # a pair a row: its [CLS] starts it
+        batch["cls_pos"] = torch.arange(len(labels)) * labels.shape[1]
+    if len(labels) == 1:
+        labels = torch.cat([labels, torch.full_like(labels, -100)])
+        mask = torch.cat([mask, mask])
+        for name in ("input_ids", "token_type_ids", "position_ids", "sequence_ids"):
+            if name in batch:
+                batch[name] = torch.cat([batch[name], batch[name]])
+    if "next_sentence_label" in batch and len(batch["cls_pos"]) == 1:
+        batch["next_sentence_label"] = torch.cat([batch["next_sentence_label"], torch.tensor([-100])])
+        batch["cls_pos"] = torch.cat([batch["cls_pos"], torch.zeros(1, dtype=torch.long)])
+    labels = labels.flatten()
+    masked_pos = (labels != -100).nonzero().squeeze(1)
+    batch["num_masked"] = len(masked_pos)
+    masked_targets = labels[masked_pos]
+    if len(masked_pos) < 2:
+        masked_pos = torch.cat([masked_pos, torch.zeros(2 - len(masked_pos), dtype=masked_pos.dtype)])
+        masked_targets = torch.cat([masked_targets, torch.full((2 - len(masked_targets),), -100)])
+    batch["masked_pos"], batch["masked_targets"] = masked_pos, masked_targets
+    if batch["num_tokens"] < mask.numel():  # padding: the model computes the real tokens (real_pos) only
+        index = mask.flatten().cumsum(0) - 1  # a real token's place among the real ones
+        batch["real_pos"] = mask.flatten().nonzero().squeeze(1)
+        batch["masked_pos"] = index[masked_pos]
+        if "cls_pos" in batch:
+            batch["cls_pos"] = index[batch["cls_pos"]]
+        if "sequence_ids" not in batch:
+            batch["attention_mask"] = mask.bool()[:, None, None, :]
+    return batch
+
+
+def counts_of(mask, sequence_ids, nsp_labels):
+    """A batch's samples (pairs, or mlm rows), real tokens, positions in its rows and attention's (query,
+    key) pairs within a sample, sum of length^2 (the FLOPs of the real work, not of the padding)."""
+    lengths = mask.sum(1) if sequence_ids is None else torch.bincount(sequence_ids[sequence_ids >= 0])
+    return {"num_samples": len(mask) if nsp_labels is None else len(nsp_labels), "num_tokens": int(lengths.sum()),
+            "num_computed": mask.numel(), "num_attended": int((lengths**2).sum())}
+
+
+# --compile: these sizes vary. Marked dynamic, they are symbolic from the first compile on: one graph (two:
+# with and without a mask), not one per new size until dynamo's recompile limit sends the model to eager.
+DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "position_ids": (0, 1), "sequence_ids": (0, 1),
+                "attention_mask": (0, 3), "masked_pos": (0,), "masked_targets": (0,), "next_sentence_label": (0,),
+                "cls_pos": (0,), "real_pos": (0,)}
+COUNTS = ("num_samples", "num_masked", "num_tokens", "num_computed", "num_attended")  # host counts (counts_of)
+
+
+def prepare(batch, device, dynamic=False):
+    """A batch from the loader on the device (non-blocking: pinned on CUDA); returns it and its
+    host counts (COUNTS: known without a sync)."""
+    counts = {k: batch.pop(k) for k in COUNTS}
+    on_device = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "cursor"}
+    for name, dims in DYNAMIC_DIMS.items() if dynamic else ():
+        for dim in dims if name in on_device else ():
+            torch._dynamo.maybe_mark_dynamic(on_device[name], dim)
+    return on_device, counts
+
+
+def train_flops(config, counts):
+    """Training FLOPs of the real work of one micro-batch (forward + backward = 3x forward): of its
+    tokens, not its padding, and of attention within each sample (MFU counts what was worth computing)."""
+    layers, hidden, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * config.intermediate_size)
+    attention = 2 * layers * 2 * hidden * counts["num_attended"]  # QK^T and AV over (query, key) pairs
+    head = 2 * (hidden * hidden + hidden * vocab) * counts["num_masked"]
+    return 3 * (counts["num_tokens"] * per_token + attention + head)
