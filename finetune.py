@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import checkpoints
 import data_stream
 import pretrain_ddp as P
 from model import MODEL_SIZES, new_optimizer, size_name
@@ -388,8 +389,8 @@ def resolve_model(args):
         P.fail(f"MODEL {args.model} is not a folder: give a run's out dir, a checkpoint folder or a Hugging Face "
                "BERT folder")
     try:
-        kind, folder, tokenizer = P.init_source(args.model)
-    except P.UserError as e:  # its wording is --init-from's: here the path is MODEL
+        kind, folder, tokenizer = checkpoints.init_source(args.model)
+    except checkpoints.CheckpointError as e:  # its wording is --init-from's: here the path is MODEL
         P.fail(str(e).replace("--init-from ", "MODEL "))
     parent = os.path.dirname(os.path.normpath(folder))
     run_dir = os.path.dirname(parent) if kind == "checkpoint" and os.path.basename(parent) == "checkpoints" else None
@@ -402,11 +403,12 @@ def resolve_model(args):
 
 
 def load_source(kind, folder, random_init):
-    """The model in folder (kind: checkpoint or hf, as P.init_source says); a checkpoint's step and training time."""
+    """The model in folder (kind: checkpoint or hf, as checkpoints.init_source says); a checkpoint's step and
+    training time."""
     from transformers import BertConfig, BertModel
     from transformers.utils import logging as hf_logging
     if kind == "checkpoint":
-        loaded, problem = P.read_checkpoint(folder)
+        loaded, problem = checkpoints.read_checkpoint(folder)
         if loaded is None:
             P.fail(f"MODEL checkpoint {folder} cannot be used: {problem}")
         try:

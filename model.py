@@ -10,8 +10,11 @@ The model of pretrain_ddp.py, in a file of its own to copy into another repo: a 
 
 Top to bottom: the sizes and the model's construction, the packed and unpadded forward (Pretraining), its input
 contract (sparse_targets, the collate function that turns a batch of data_stream.py's into what the forward
-reads; prepare, which puts it on the device) and its FLOPs (for MFU). It needs torch and transformers only.
+reads; prepare, which puts it on the device), its FLOPs and the peak of the GPU that runs them (MFU). It
+needs torch and transformers only.
 """
+import re
+
 import torch
 import torch.nn.functional as F
 
@@ -128,7 +131,7 @@ class Pretraining(torch.nn.Module):
         return layer.output(layer.intermediate(a), a)
 
 
-# ----------------------------------------------------------------------------- its input contract and FLOPs
+# ----------------------------------------------------------------------------- its input contract
 
 def sparse_targets(batch):
     """The DataLoader's collate_fn (it runs in the worker; its tensors are pinned with the rest): masked
@@ -195,6 +198,8 @@ def prepare(batch, device, dynamic=False):
     return on_device, counts
 
 
+# ----------------------------------------------------------------------------- its FLOPs, and a GPU's peak (MFU)
+
 def train_flops(config, counts):
     """Training FLOPs of the real work of one micro-batch (forward + backward = 3x forward): of its
     tokens, not its padding, and of attention within each sample (MFU counts what was worth computing)."""
@@ -203,3 +208,25 @@ def train_flops(config, counts):
     attention = 2 * layers * 2 * hidden * counts["num_attended"]  # QK^T and AV over (query, key) pairs
     head = 2 * (hidden * hidden + hidden * vocab) * counts["num_masked"]
     return 3 * (counts["num_tokens"] * per_token + attention + head)
+
+
+# Dense peak FLOP/s from the data sheets: (bf16/fp16 tensor cores, TF32, fp32; V100 and T4: no TF32). A key
+# matches whole words of the name, the longest first ("H100 PCIe" before "H100"; "T400" is no T4): an unknown
+# GPU gets no MFU rather than a wrong one.
+GPU_PEAKS = {"GB200": (2500e12, 1250e12, 80e12), "B200": (2250e12, 1100e12, 75e12),
+             "H200 NVL": (835e12, 418e12, 60e12), "H200": (989e12, 494e12, 67e12), "GH200": (989e12, 494e12, 67e12),
+             "H100 PCIe": (756e12, 378e12, 51e12), "H100 NVL": (835e12, 418e12, 60e12),
+             "H100": (989e12, 494e12, 67e12), "A100": (312e12, 156e12, 19.5e12), "A10G": (70e12, 35e12, 31.2e12),
+             "A10": (125e12, 62.5e12, 31.2e12), "L40S": (362e12, 183e12, 91.6e12), "L40": (181e12, 90.5e12, 90.5e12),
+             "L4": (121e12, 60e12, 30.3e12), "RTX 4090": (165e12, 82.6e12, 82.6e12),
+             "RTX 3090": (71e12, 35.6e12, 35.6e12), "V100 PCIe": (112e12, 14e12, 14e12),
+             "V100": (125e12, 15.7e12, 15.7e12), "T4": (65e12, 8.1e12, 8.1e12)}
+
+
+def gpu_peak(name, amp_dtype, tf32):
+    """The dense peak of the GPU called `name` for the math the run does, or None when unknown."""
+    words = " " + " ".join(re.split(r"[\s_-]+", name.upper())) + " "
+    for key in sorted(GPU_PEAKS, key=len, reverse=True):
+        if f" {key.upper()} " in words:
+            return GPU_PEAKS[key][0 if amp_dtype is not None else 1 if tf32 else 2]
+    return None

@@ -7,15 +7,16 @@ Pretrain a BERT from scratch with DistributedDataParallel, on one CPU, one GPU o
         --rdzv-id bert1 --max-restarts 3 pretrain_ddp.py --amp   # on each of two nodes
     tensorboard --logdir runs
 
-Top to bottom: the flags, the model, a training step and an evaluation, then main(), the run as a story
-(decide the run, build or restore, the loop, finish); after it, in sections, the machinery main() calls.
+Top to bottom: the flags; the records of the run's state; main(), the run as a story (decide the run, build
+or restore, the loop, finish); the pieces of one loop iteration, in the order it calls them; then, in sections,
+the machinery main() calls (the device, agreement between ranks, the run's decision, the LR plan, checkpoints,
+the report, the data, the process's ends). The model itself is model.py.
 """
 
 import argparse
 import contextlib
 import ctypes
-import fcntl
-import functools
+import dataclasses
 import gc
 import hashlib
 import importlib
@@ -23,19 +24,19 @@ import inspect
 import json
 import math
 import os
-import pickle
-import re
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
-import uuid
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import NamedTuple
 
 # The process that started this one (torchrun's agent, a shell), read before the seconds that importing torch
 # takes: an agent that dies meanwhile is seen by die_with_launcher
+
+
 LAUNCHER_PID = os.getppid()
 
 import torch  # noqa: E402
@@ -44,9 +45,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import data_stream  # noqa: E402
 import estimate_steps  # noqa: E402
+import trackers  # noqa: E402
+from checkpoints import (  # noqa: E402
+    CheckpointError,
+    abandon,
+    choose_checkpoint,
+    export_hf,
+    init_source,
+    load_init,
+    lock_out_dir,
+    nbytes,
+    read_checkpoint,
+    read_latest,
+    replace_folder,
+    save_checkpoint,
+)
 from model import (  # noqa: E402
     MODEL_SIZES,
     Pretraining,
+    gpu_peak,
     model_from,
     new_architecture,
     new_optimizer,
@@ -55,8 +72,30 @@ from model import (  # noqa: E402
     sparse_targets,
     train_flops,
 )
+from ranks import (  # noqa: E402
+    GROUP,
+    HOST,
+    agree,
+    all_reduce_ctrl,
+    from_rank0,
+    gather,
+    join_group,
+    leave_group,
+    rank0_prepares,
+    say_error,
+    unless_local,
+    verify,
+)
 
 EVAL_SEED = 12345  # the eval set is masked the same way in every run, so numbers compare
+
+
+STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out (workers, first batches, compile)
+
+
+CALIBRATION = (3, 10)  # --budget: steps before the timed ones (worker start, allocator, compile), steps timed
+
+
 
 
 def parse_args(argv=None):
@@ -182,28 +221,346 @@ def validate(args):
                      "from --log-to)")
 
 
-# ----------------------------------------------------------------------------- model
-
-# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there; older: only it)
-NO_BUFFER_SYNC = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-                  else "broadcast_buffers": False}
-
-
-def wrap_ddp(model, device):
-    """DDP without the per-forward sync of buffers (BERT's are constant position and token-type
-    ids, synced once at the start) and with gradients kept in the all_reduce buckets (no copy)."""
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
-               **NO_BUFFER_SYNC)
+# ----------------------------------------------------------------------------- the run's state, typed
+# What lives across functions is one of these records, with its fields here. A checkpoint keeps Progress and
+# the LR plan as plain values (dataclasses.asdict), under the names they always had: a checkpoint of an older
+# version resumes, and one of this version reads without this file.
 
 
-# ----------------------------------------------------------------------------- training: a step, an eval, main()
+@dataclass(frozen=True)
 
-def train_step(model, optimizer, scaler, window, global_masked, global_samples, world_size, amp_ctx, clip, lr):
-    """One optimizer step at learning rate lr over a window of micro-batches. Returns, as device tensors
-    (no host sync): the loss sums, the grad norm, 1 if the step was skipped for an inf/NaN gradient (it
-    still counts as a step, as in the Trainer and nanoGPT: knowing it on the host would cost a sync).
+
+class Budget:
+    """How plan_budget made a --budget plan; kept with the plan, so a resume never measures again."""
+    seconds: float        # --budget
+    step_s: float         # the time of a step with its share of eval, checkpoints and exports
+    train_step_s: float   # the time of a training step alone
+    calibration_s: float  # what the calibration took (counted in the budget)
+    steps_fit: int        # the steps the budget holds
+    limit: str            # "budget", or "epochs" when --epochs or --max-steps end the run first
+
+
+@dataclass(frozen=True)
+
+
+class LRPlan:
+    """The learning rate's plan, made once (from the estimate, or --budget's calibration). Positions count
+    steps at the planned effective batch: a resume on another world size advances by its share of it."""
+    total: float          # planned steps: the LR is 0 there
+    warmup: int           # steps of linear warmup
+    batch: int            # the effective batch a position counts
+    steps_per_epoch: float
+    schedule: str = "linear"  # a plan from before --schedule is linear
+    decay: float = estimate_steps.DECAY
+    decay_from: tuple = (0.0, 1.0)  # (position, factor): from there the LR decays from factor (wsd: stable before)
+    budget: Budget | None = None
+
+    @classmethod
+    def from_dict(cls, plan):
+        """A plan as a checkpoint's meta keeps it."""
+        budget = Budget(**plan["budget"]) if plan.get("budget") else None
+        return cls(**{**plan, "decay_from": tuple(plan["decay_from"]), "budget": budget})
+
+
+@dataclass(frozen=True)
+
+
+class Run:
+    """What rank 0 decided for the run (plan_run), sent to every rank, which verifies what it can."""
+    out_dir: str
+    config: dict            # the settings every checkpoint keeps (flags, architecture, world) and TensorBoard shows
+    estimate: dict          # estimate_steps' answer that the LR plan was made from
+    fingerprint: str        # the corpus's
+    tokenizer_hash: str
+    tokenizer_files: dict   # file name -> bytes: a rank that cannot read rank 0's out dir loads the tokenizer so
+    resume_path: str | None = None      # the checkpoint resumed (None: a new run)
+    resume_sha256: dict | None = None   # its files' checksums: a rank that reads it itself checks them
+    corpus_changed: bool = False        # resumed with --allow-corpus-change: the epoch restarts
+    init: dict | None = None            # --init-from: kind, folder, objective, seed, checksum, tokenizer
+
+
+@dataclass
+
+
+class Rank0Only:
+    """What rank 0 read while deciding (plan_run); never sent: the other ranks read their own or receive it."""
+    tokenizer: object = None
+    stream: object = None
+    resumed: dict | None = None       # the checkpoint resumed, read
+    init_weights: dict | None = None  # --init-from's state dict
+
+
+@dataclass
+
+
+class Progress:
+    """Where the run is. Every checkpoint's meta holds these fields; a resume restores them."""
+    step: int = 0
+    epoch: int = 0              # epochs whose data ran out: a run stopped by --max-steps or a signal is inside one
+    samples_seen: int = 0
+    tokens_seen: int = 0        # real tokens, not padding
+    flops_done: float = 0.0
+    unused_per_epoch: list = field(default_factory=list)  # per epoch: the samples each rank had to leave
+    train_seconds: float = 0.0  # the training clock of the run, over all its processes
+    rollbacks: int = 0
+    plan_pos: float = 0.0       # the position in the LR plan
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(**{f.name: meta[f.name] for f in dataclasses.fields(cls) if f.name in meta})
+
+
+@dataclass
+
+
+class Trainer:
+    """The model in its wrappers and what updates it, with this process's last save and rollback."""
+    raw_model: Pretraining      # checkpoints and exports read raw_model.hf: never a wrapper's prefix
+    model: torch.nn.Module      # raw_model, compiled (--compile), in DDP (more than one rank)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler  # fp16's loss scale; disabled otherwise
+    amp_ctx: contextlib.AbstractContextManager  # torch.autocast, or nothing
+    saved_at: tuple | None = None       # (step, epoch) of this process's last save: a step is not saved twice
+    rolled_back_to: str | None = None   # the checkpoint this process last rolled back to
+
+
+class Mark(NamedTuple):
+    """The training clock and the counters at a step: rates are taken between two marks."""
+    clock: float
+    step: int
+    tokens: int
+    flops: float
+
+
+@dataclass
+
+
+class Interval:
+    """The steps since the last log: count_step adds to it, log_interval reads it and starts the next one."""
+    sums: torch.Tensor | None = None  # on the device: loss sums, masked tokens and samples of the steps applied
+    samples: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+    wait: float = 0.0                 # seconds waited for batches
+    lr: float = 0.0
+    t0: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+
+
+class Meter:
+    """What the logs and the report measure. The steady rates read the training clock (eval, saves and exports
+    left out: paused) at marks after 1 and STEADY_AFTER steps. Skipped steps are counted on the device, where
+    the step learns it (knowing it on the host would cost a sync per step): read at log steps and every
+    --rollback-after steps."""
+    peak: float | None               # the device's dense peak FLOP/s (None: unknown, no MFU)
+    start: Mark                      # where this process began (a resume begins mid-run)
+    train_base: float                # the run's training clock before this process
+    skipped: torch.Tensor            # steps skipped for an inf/NaN gradient, in all
+    skipped_in_a_row: torch.Tensor   # ... in a row now
+    most_in_a_row: torch.Tensor      # ... the most in a row since the last check
+    interval: Interval = field(default_factory=Interval)
+    marks: dict = field(default_factory=dict)  # steps done by this process -> Mark
+    paused: float = 0.0              # seconds of eval, saves and exports
+    data_wait: float = 0.0           # seconds waited for batches
+    computed: int = 0                # positions computed: real tokens and padding
+
+
+class UserError(Exception):
+    """A user mistake: the rank that finds it says it in one line; every rank exits with code 2."""
+
+
+USER_ERRORS = (UserError, data_stream.CorpusError, CheckpointError)
+
+
+def fail(message):
+    raise UserError(message)
+
+
+def say(line):
+    print(line, flush=True)
+
+
+def warn(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- main(): the run as a story
+
+
+def main(argv=None):
+    # --- decide the run: rank 0 decides (out dir, checkpoint, tokenizer, LR plan); every rank verifies it
+    args = parse_args(argv)
+    validate(args)
+    device, amp_dtype = setup_device(args)
+    join_group(device, timedelta(minutes=args.dist_timeout), newest_local_step(args))
+    master = GROUP.rank == 0
+    verify("the command line", vars(args))
+    if args.num_workers is None:  # rank 0's machine decides: every rank must shard the data alike
+        args.num_workers = from_rank0(default_num_workers(device))
+    rank0_only = Rank0Only()
+    run, plan = rank0_prepares(lambda: plan_run(args, device, amp_dtype, rank0_only), USER_ERRORS)
+    tokenizer, stream, eval_stream = load_run(args, run, rank0_only)
+
+    # --- build or restore: model, optimizer, the resumed state (loaded before the DDP wrap, verified on every rank)
+    trainer = new_trainer(args, run, rank0_only, device, amp_dtype)
+    progress, resume_data, tracker_runs = restore(run, rank0_only, trainer, device, args.num_workers)
+    verify("the step and weights", (progress.step, weights_checksum(trainer.raw_model.state_dict())))
+    if args.compile:
+        trainer.model = torch.compile(trainer.model)
+    if GROUP.world_size > 1:
+        trainer.model = wrap_ddp(trainer.model, device)
+    step_in_plan = run.config["effective_batch"] / plan.batch  # 1 unless resumed on another world size
+    log = trackers.Logger(args.log_to.split(",") if master else [], run.out_dir, run.config, tracker_runs, say, warn)
+    if master:
+        announce(args, run, plan, trainer.raw_model, device, progress)
+    stop_signal = []  # SIGTERM/SIGINT: every rank stops at the same step (the per-step all_reduce says it)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+
+    # --- the loop; it ends when the epochs' data, --max-steps or the budget's plan does, or at a signal
+    timeout_s = args.dist_timeout * 60
+    # One eval loader for the whole run: its workers start once, not at every eval
+    eval_loader = make_loader(eval_stream, args.num_workers, device, timeout_s, persistent=True) \
+        if eval_stream is not None else None
+    meter = new_meter(device, amp_dtype, progress)
+    if args.budget and not run.resume_path:  # a resume continues the stored plan
+        plan = plan_budget(args, run, plan, trainer, stream, eval_loader, device, meter)
+    step_limit = args.max_steps or math.inf
+    if plan.budget:  # the plan's steps end a --budget run, not the epochs
+        step_limit = min(step_limit, progress.step + round((plan.total - progress.plan_pos) / step_in_plan))
+    eval_metrics = {}
+    last_eval_step = None
+    train_loss = float("nan")  # of the steps since the last log
+    last_step = None  # the last step's (loss sums, grad norm, skipped), as device tensors
+    stopped = False
+    while progress.epoch < args.epochs and progress.step < step_limit and not stopped:
+        start_epoch(stream, progress.epoch, resume_data, args.num_workers)
+        resume_data = None
+        # A new loader per epoch: its workers get this epoch's order (from the forkserver: ~0.1 s)
+        batches = iter(make_loader(stream, args.num_workers, device, timeout_s))
+        data_ended = False
+        while progress.step < step_limit:
+            window, cursors, counts = next_window(batches, args, device, trainer.raw_model.hf.config, meter)
+            # The one collective per step: every rank's full window? (SUM of 0/1), the global counts, a stop
+            full, *totals, stops = all_reduce_ctrl([len(window) == args.accum_steps, *counts, len(stop_signal)])
+            if full < GROUP.world_size or stops:
+                stopped = stops > 0
+                data_ended = not stopped
+                break
+            for cursor in cursors:
+                stream.consumed(cursor)
+            lr = args.lr * lr_factor(plan, progress.plan_pos)
+            last_step = train_step(trainer, [batch for batch, _ in window], totals[0], totals[1], GROUP.world_size,
+                                   args.clip, lr)
+            count_step(meter, progress, last_step, lr, totals)
+            progress.plan_pos += step_in_plan
+            if progress.step % args.log_every == 0:
+                train_loss = log_interval(log, meter, progress, last_step.grad_norm, trainer.scaler, args.objective)
+            if progress.step % args.log_every == 0 or progress.step % args.rollback_after == 0:
+                most_skipped = most_skipped_in_a_row(meter)
+                if most_skipped >= args.rollback_after:
+                    rollback(run, progress, trainer, meter, last_step, most_skipped)
+            mark(meter, progress, device, run, plan)
+            save = progress.step % args.save_every == 0
+            export = args.export_every and progress.step % args.export_every == 0
+            eval_now = eval_loader is not None and progress.step % args.eval_every == 0
+            if save or export or eval_now:  # time outside training: left out of the steady rates
+                t_pause = clock(device)
+                # Weights that just gave a non-finite loss (the step was skipped: they are the ones that gave
+                # it) are neither saved nor exported: a rollback to them could not help
+                usable = not (save or export) or last_loss_finite(last_step)
+                if save:
+                    checkpoint(args, run, plan, progress, trainer, stream, device, log.runs, usable)
+                if export and usable and master:
+                    failed = export_hf(trainer.raw_model.hf, tokenizer, run.out_dir)
+                    if failed:  # a full disk: the checkpoints and the run matter more than the export
+                        warn(f"warning: {failed}; training goes on")
+                if eval_now:
+                    eval_metrics = run_eval(trainer, eval_loader, args, log, progress.step)
+                    last_eval_step = progress.step
+                meter.paused += clock(device) - t_pause
+        if data_ended:
+            end_epoch(progress, window, batches)
+        del batches  # end the workers now, not at interpreter exit
+
+    # --- finish: the last log, checkpoint and eval; the report, summary.json and the Hugging Face folder
+    end = clock(device)
+    if meter.interval.sums is not None:  # steps since the last log
+        train_loss = log_interval(log, meter, progress, last_step.grad_norm, trainer.scaler, args.objective)
+    if stopped and master:
+        say(f"stopped by signal at step {progress.step} on every rank")
+    # A run never ends well on weights whose loss is not finite: they are neither kept nor exported
+    end_finite(run, progress, trainer, last_step is None or last_loss_finite(last_step), "training")
+    checkpoint(args, run, plan, progress, trainer, stream, device, log.runs)
+    if eval_loader is not None and last_eval_step != progress.step:
+        eval_metrics = run_eval(trainer, eval_loader, args, log, progress.step)
+        if not eval_metrics and master:
+            warn("warning: the eval set produced no masked tokens; eval skipped")
+    end_finite(run, progress, trainer, math.isfinite(eval_metrics.get("eval/mlm_loss", 0.0)), "eval")
+    eval_loader = None  # its persistent workers end here, before the process group does
+    errors = []  # of the writes at the end (a full disk): said once every rank has left
+    if master:
+        errors.append(report(args, run, plan, progress, meter, end, train_loss, eval_metrics, stopped, trainer))
+        errors.append(export_hf(trainer.raw_model.hf, tokenizer, run.out_dir))
+        log.close()
+    leave_group()
+    if any(errors):
+        fail(f"{'; '.join(filter(None, errors))}; the checkpoint holds the weights: free space and run the same "
+             "command again")
+
+
+# ----------------------------------------------------------------------------- one iteration of the loop, in its order
+
+
+def next_window(batches, args, device, hf_config, meter):
+    """Up to --accum-steps micro-batches on the device: ([(batch, samples)], their cursors, this rank's
+    [masked, samples, tokens, flops, positions computed]); the time waited goes to the meter."""
+    t_wait = time.perf_counter()
+    window = []
+    cursors = []
+    totals = [0, 0, 0, 0.0, 0]
+    for raw in batches:
+        cursors.append(raw.pop("cursor"))
+        batch, counts = prepare(raw, device, dynamic=args.compile)
+        window.append((batch, counts["num_samples"]))
+        for i, value in enumerate((counts["num_masked"], counts["num_samples"], counts["num_tokens"],
+                                   train_flops(hf_config, counts), counts["num_computed"])):
+            totals[i] += value
+        if len(window) == args.accum_steps:
+            break
+    waited = time.perf_counter() - t_wait
+    meter.interval.wait += waited
+    meter.data_wait += waited
+    return window, cursors, totals
+
+
+def lr_factor(plan, pos):
+    """The LR plan at a position: linear warmup to 1; the factor of decay_from = (position, factor) until
+    that position (wsd's stable phase), then down to 0 at the total: linear, or cosine."""
+    if pos < plan.warmup:
+        return (pos + 1) / plan.warmup
+    start, factor = plan.decay_from
+    done = min(max(pos - start, 0) / max(plan.total - start, 1), 1.0)
+    if plan.schedule == "cosine":
+        return factor * 0.5 * (1 + math.cos(math.pi * done))
+    return factor * (1 - done)
+
+
+class StepResult(NamedTuple):
+    """What a step leaves, as device tensors (reading them on the host would wait for the device)."""
+    sums: torch.Tensor       # (mlm loss, mlm correct, nsp loss, nsp correct), summed over the window
+    grad_norm: torch.Tensor
+    skipped: torch.Tensor    # 1.0: the gradient was inf or NaN, the step was not applied
+
+
+def train_step(trainer, window, global_masked, global_samples, world_size, clip, lr):
+    """One optimizer step at learning rate lr over a window of micro-batches. A skipped step (an inf/NaN
+    gradient) still counts as a step, as in the Trainer and nanoGPT: knowing it on the host would cost a sync.
     Each micro-batch's loss is its sum of token losses over the *global* masked-token count (x world_size:
     DDP averages over ranks), so the gradient is one big batch's, however the tokens fall."""
+    model, optimizer, scaler = trainer.model, trainer.optimizer, trainer.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
     sums = None
@@ -211,7 +568,7 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
         last = i == len(window) - 1
         sync = contextlib.nullcontext() if last or not isinstance(model, DDP) else model.no_sync()
         with sync:  # all-reduce gradients only once per window, on its last backward
-            with amp_ctx:
+            with trainer.amp_ctx:
                 out = model(**batch)
             loss = (out[0] / max(global_masked, 1) + out[2] / max(global_samples, 1)) * world_size
             scaler.scale(loss).backward()
@@ -231,25 +588,201 @@ def train_step(model, optimizer, scaler, window, global_masked, global_samples, 
         del optimizer.found_inf
     elif not skipped:  # an optimizer that takes no found_inf: a host read (the trainer's AdamW is fused)
         optimizer.step()
-    # DDP's gradients are views into its buckets (gradient_as_bucket_view): zeroed, not set to None
+    # DDP's gradients are views into its buckets (gradient_as_bucket_view): zeroed, not set to None, which
+    # would make DDP allocate new gradient tensors and copy them out of its buckets at every step
     optimizer.zero_grad(set_to_none=not isinstance(model, DDP))
-    return sums, grad_norm, skipped
+    return StepResult(sums, grad_norm, skipped)
+
+
+def count_step(meter, progress, step, lr, totals):
+    """Count a step done: totals are its global (masked, samples, tokens, flops, positions computed)."""
+    masked, samples, tokens, flops, computed = totals
+    meter.computed += computed
+    # skipped steps, on the device: the in-a-row count falls back to 0 at a step applied
+    meter.skipped += step.skipped
+    meter.skipped_in_a_row = (meter.skipped_in_a_row + step.skipped) * step.skipped
+    meter.most_in_a_row = torch.maximum(meter.most_in_a_row, meter.skipped_in_a_row)
+    progress.step += 1
+    progress.samples_seen += samples
+    progress.tokens_seen += tokens
+    progress.flops_done += flops
+    progress.train_seconds = meter.train_base + time.perf_counter() - meter.start.clock
+    # The loss sums and counts of the steps applied (a skipped step's loss may be NaN), on the device: the
+    # counts are filled in there (a copy from the host would wait for the device)
+    counts = torch.stack([step.skipped.new_full((), masked), step.skipped.new_full((), samples)])
+    applied = torch.where(step.skipped > 0, 0.0, torch.cat([step.sums, counts]))
+    interval = meter.interval
+    interval.sums = applied if interval.sums is None else interval.sums + applied
+    interval.samples += samples
+    interval.tokens += tokens
+    interval.flops += flops
+    interval.lr = lr
+
+
+def log_interval(log, meter, progress, grad_norm, scaler, objective):
+    """Log the scalars of the steps since the last call; returns the train loss over them (the steps
+    skipped for an inf/NaN gradient left out)."""
+    interval, world_size = meter.interval, GROUP.world_size
+    loss_sums = torch.cat([interval.sums, meter.skipped[None]]).double()
+    if world_size > 1:
+        dist.all_reduce(loss_sums)  # the loss of all ranks, not rank 0's: one sync per log
+    mlm_loss, _, nsp_loss, _, masked, samples, skipped = loss_sums.tolist()
+    masked /= world_size  # the global counts, on every rank
+    samples /= world_size
+    elapsed = time.perf_counter() - interval.t0
+    speed = rates(elapsed, 0, interval.tokens, interval.flops, meter.peak, world_size)
+    mlm_loss = mlm_loss / masked if masked else float("nan")  # nan: every step of the interval was skipped
+    nsp_loss = nsp_loss / samples if samples else float("nan")
+    scalars = {"train/loss": mlm_loss + nsp_loss, "train/mlm_loss": mlm_loss, "train/lr": interval.lr,
+               "train/grad_norm": float(grad_norm), "train/tokens_per_sec": speed["tokens_per_sec"],
+               "train/samples_per_sec": interval.samples / elapsed,
+               "train/data_wait": interval.wait / elapsed, "train/epoch": progress.epoch}
+    if objective == "nsp":
+        scalars["train/nsp_loss"] = nsp_loss
+    if scaler.is_enabled():
+        scalars["train/loss_scale"] = scaler.get_scale()
+    if skipped:
+        scalars["train/skipped_steps"] = skipped / world_size  # this run's, in all
+    if speed["mfu"] is not None:
+        scalars["train/mfu"] = speed["mfu"]
+    log(scalars, progress.step)
+    meter.interval = Interval()
+    return mlm_loss + nsp_loss
+
+
+def most_skipped_in_a_row(meter):
+    """Collective: the most steps skipped in a row since the last call (a host read: every --rollback-after
+    and --log-every steps). Every rank skipped the same steps (their all-reduced gradients are the same);
+    agreed all the same, since it decides a collective."""
+    most = all_reduce_ctrl([float(meter.most_in_a_row)])[0] / GROUP.world_size
+    meter.most_in_a_row = meter.skipped_in_a_row
+    return most
+
+
+def last_loss_finite(step):
+    """Collective: did the last step give a finite loss on every rank? A step whose loss was not finite was
+    skipped, so the weights now are the ones that gave it."""
+    return all_reduce_ctrl([float(not torch.isfinite(step.sums[0] + step.sums[2]))])[0] == 0
+
+
+def rollback(run, progress, trainer, meter, step, most_skipped):
+    """Collective: --rollback-after steps in a row had an inf/NaN gradient (skipped). Every rank loads the
+    newest checkpoint's weights, optimizer and loss scale, and goes on with the data after those steps (not
+    replayed), the step count and LR plan too. No checkpoint is saved while the loss is not finite, so a
+    second rollback to the same one means the steps right after it failed again: it did not help. Then,
+    or with no checkpoint, the run stops (that checkpoint moved aside: a re-run resumes the one before)."""
+    root = os.path.join(run.out_dir, "checkpoints")
+    latest = from_rank0(read_latest(root))
+    path = latest and os.path.join(root, latest)
+    what = "a non-finite loss" if not last_loss_finite(step) else "an inf/NaN gradient"
+    skipped = f"{most_skipped:.0f} steps in a row up to step {progress.step} had {what} (skipped)"
+    error = None
+    if GROUP.rank == 0 and path is None:
+        error = "there is no checkpoint to roll back to"
+    elif GROUP.rank == 0 and trainer.rolled_back_to == path:
+        error = f"a rollback to {path} did not help (the steps after it were skipped again); " + abandon(root, path)
+    if error:
+        error = f"{skipped}, and {error}: lower --lr or --clip, raise --warmup, or look at the data of these steps"
+    agree(error)
+    mine = read_checkpoint(path)[0] if GROUP.rank == 0 else None
+    sha = from_rank0(mine and mine["sha256"])
+    loaded = fetch(mine, path, lambda: read_checkpoint(path)[0], lambda c: c["sha256"] == sha)
+    load_trainer(loaded["trainer.pt"], trainer)
+    trainer.rolled_back_to = path
+    trainer.saved_at = (progress.step, progress.epoch)  # these are path's weights: not saved again at this step
+    progress.rollbacks += 1
+    meter.skipped_in_a_row = torch.zeros_like(meter.skipped_in_a_row)
+    meter.most_in_a_row = torch.zeros_like(meter.most_in_a_row)
+    if GROUP.rank == 0:
+        say(f"{skipped}: rolled the weights and optimizer back to {path}; the data goes on after step "
+            f"{progress.step} (the batches since step {loaded['meta']['step']} are not replayed)")
+
+
+def mark(meter, progress, device, run, plan):
+    """The steady rates' marks after 1 and STEADY_AFTER steps of this run. At the second, a --budget run
+    says where its plan lands at this machine's speed (a resume on slower hardware keeps its plan)."""
+    done = progress.step - meter.start.step
+    if done in (1, STEADY_AFTER):
+        meter.marks[done] = Mark(clock(device) - meter.paused, progress.step, progress.tokens_seen,
+                                 progress.flops_done)
+    budget = plan.budget
+    if done == STEADY_AFTER and budget and GROUP.rank == 0:
+        step_s = (meter.marks[done].clock - meter.marks[1].clock) / (done - 1) + budget.step_s - budget.train_step_s
+        left = (plan.total - progress.plan_pos) * plan.batch / run.config["effective_batch"]
+        ends = progress.train_seconds + left * step_s
+        say(f"--budget: {left:,.0f} steps left at {step_s:.3g} s a step here (planned at {budget.step_s:.3g} s): "
+            f"training ends after {estimate_steps.hours(ends)}, {ends / budget.seconds - 1:+.1%} off the budget")
+
+
+def checkpoint(args, run, plan, progress, trainer, stream, device, tracker_runs, loss_finite=True):
+    """Collective: every rank's RNG and data cursor go to rank 0, which writes the checkpoint
+    atomically. A step saved already is not saved again (the final save after a save at that step), nor
+    weights that gave a non-finite loss (loss_finite false: no rollback target)."""
+    if trainer.saved_at == (progress.step, progress.epoch):
+        return
+    trainer.saved_at = (progress.step, progress.epoch)
+    mine = {"rng": rng_states(device), "data": stream.state_dict()}
+    gathered = [mine]
+    if GROUP.world_size > 1:
+        gathered = [None] * GROUP.world_size if GROUP.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0, group=GROUP.ctrl)
+    error = None
+    if GROUP.rank == 0:
+        meta = {**dataclasses.asdict(progress), "world_size": GROUP.world_size, "num_workers": args.num_workers,
+                "config": run.config, "plan": dataclasses.asdict(plan), "estimate": run.estimate,
+                "tokenizer_hash": run.tokenizer_hash, "fingerprint": run.fingerprint, "tracker_runs": tracker_runs}
+        error = save_on_rank0(run.out_dir, progress.step, trainer, gathered, meta, args.keep_last, loss_finite)
+    agree(error)  # one line from rank 0, every rank stops
+
+
+def save_on_rank0(out_dir, step, trainer, ranks, meta, keep_last, loss_finite):
+    """Rank 0: write the checkpoint, unless its weights are not finite (an error: a NaN checkpoint would
+    rotate the good ones out) or gave a non-finite loss (a note). Returns the error's line, or None."""
+    root = os.path.join(out_dir, "checkpoints")
+    latest = read_latest(root)
+    kept = f"{os.path.join(root, latest)} is the newest complete checkpoint" if latest else "no checkpoint yet"
+    if not torch.stack([torch.isfinite(p).all() for p in trainer.raw_model.parameters()]).all():
+        return f"the weights at step {step} are not finite: not saved; {kept}"
+    if not loss_finite:
+        say(f"not saved at step {step}: the weights gave a non-finite loss in the last step; {kept}")
+        return None
+    state = {"model": trainer.raw_model.hf.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+             "scaler": trainer.scaler.state_dict()}
+
+    def save():
+        say(f"saved {save_checkpoint(root, step, {'trainer.pt': state, 'ranks.pt': ranks}, meta, keep_last)}")
+    error = data_stream.try_write(save, f"checkpoint step_{step:06d} into {root}", root, nbytes(state))
+    if error:
+        return f"{error}; {kept}: free space and run the same command again to resume there"
+    return None
+
+
+def run_eval(trainer, eval_loader, args, log, step):
+    metrics = evaluate(trainer.raw_model, eval_loader, trainer.amp_ctx, args.objective == "nsp")
+    log(metrics, step)
+    return metrics
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, amp_ctx, world_size, nsp):
-    """MLM loss / perplexity / accuracy and NSP accuracy over the whole (sharded) eval set."""
-    model.eval()
-    sums, masked, samples = torch.zeros(4, dtype=torch.float64, device=device), 0, 0
+
+
+def evaluate(raw_model, loader, amp_ctx, nsp):
+    """Collective: MLM loss / perplexity / accuracy and NSP accuracy over the whole (sharded) eval set."""
+    device = next(raw_model.parameters()).device
+    raw_model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)
+    masked = 0
+    samples = 0
     for batch in loader:
         batch, counts = prepare(batch, device)
         with amp_ctx:
-            sums += model(**batch).double()
-        masked, samples = masked + counts["num_masked"], samples + counts["num_samples"]  # host counts: no copy
+            sums += raw_model(**batch).double()
+        masked += counts["num_masked"]  # host counts: no copy from the device
+        samples += counts["num_samples"]
     sums = torch.cat([sums, torch.tensor([masked, samples], dtype=torch.float64, device=device)])
-    if world_size > 1:
+    if GROUP.world_size > 1:
         dist.all_reduce(sums)
-    model.train()
+    raw_model.train()
     mlm_loss, mlm_correct, nsp_loss, nsp_correct, masked, samples = sums.tolist()
     if masked == 0:
         return {}
@@ -260,133 +793,118 @@ def evaluate(model, loader, device, amp_ctx, world_size, nsp):
     return metrics
 
 
-def main(argv=None):
-    # --- decide the run: rank 0 decides (out dir, checkpoint, tokenizer, LR plan); every rank verifies it
-    args = parse_args(argv)
-    validate(args)
-    device, amp_dtype = setup_device(args)
-    join_group(device, timedelta(minutes=args.dist_timeout), newest_local_step(args))
-    rank, world_size, master = GROUP["rank"], GROUP["world_size"], GROUP["rank"] == 0
-    verify("the command line", vars(args))
-    if args.num_workers is None:  # rank 0's machine decides: every rank must shard the data alike
-        args.num_workers = from_rank0(default_num_workers(device))
-    rank0_only = {}
-    run = rank0_prepares(lambda: plan_run(args, world_size, device, amp_dtype, rank0_only))
-    tokenizer, stream, eval_stream = load_run(args, run, rank0_only)
-    out_dir, config, plan = run["out_dir"], run["config"], run["plan"]
+def end_epoch(progress, window, batches):
+    """Collective: the epoch ended for all ranks at the same step; count what each rank had to leave."""
+    left = sum(samples for _, samples in window) + sum(b["num_samples"] for b in batches)
+    progress.unused_per_epoch.append([unused for _, unused in gather(left)])
+    if GROUP.rank == 0:
+        say(f"epoch {progress.epoch} ended at step {progress.step}; samples left unused per rank: "
+            f"{progress.unused_per_epoch[-1]}")
+    progress.epoch += 1
 
-    # --- build or restore: model, optimizer, the resumed state (loaded before the DDP wrap, verified on every rank)
+
+def end_finite(run, progress, trainer, finite, what):
+    """Collective, at the end: a run whose last weights gave a non-finite loss stops with one line, its final
+    checkpoint (if saved already) moved aside, no export."""
+    error = None
+    if GROUP.rank == 0 and not finite:
+        root = os.path.join(run.out_dir, "checkpoints")
+        final = f"step_{progress.step:06d}"
+        saved = read_latest(root) == final and trainer.saved_at == (progress.step, progress.epoch)
+        moved = abandon(root, os.path.join(root, final)) if saved else "no checkpoint is saved"
+        error = (f"the {what} loss at the end (step {progress.step}) is not finite: the model is not exported; "
+                 f"{moved}; lower --lr or --clip, raise --warmup, or look at the data of the last steps")
+    agree(error)
+
+
+# ----------------------------------------------------------------------------- build the trainer, or restore it
+
+
+def new_trainer(args, run, rank0_only, device, amp_dtype):
+    """The model with the same initial weights on every rank (--init-from's, as rank 0 loaded them), its
+    optimizer, fp16's GradScaler and the autocast context; then dropout's RNG, seeded per rank."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    hf_model = model_from(config["architecture"], args.objective, args.dropout)
-    if run["init"]:  # --init-from: the source's weights, as rank 0 loaded them
-        source = [run["init"][k] for k in ("kind", "folder", "objective", "seed")]
-        hf_model.load_state_dict(fetch(rank0_only.get("init_weights"), source[1], lambda: load_init(*source)[0],
-                                       lambda weights: weights_checksum(weights) == run["init"]["checksum"]))
+    hf_model = model_from(run.config["architecture"], args.objective, args.dropout)
+    if run.init:  # --init-from: the source's weights, as rank 0 loaded them
+        init = run.init
+        weights = fetch(rank0_only.init_weights, init["folder"],
+                        lambda: load_init(init["kind"], init["folder"], init["objective"], init["seed"])[0],
+                        lambda loaded: weights_checksum(loaded) == init["checksum"])
+        hf_model.load_state_dict(weights)
     raw_model = Pretraining(hf_model).to(device)
     optimizer = new_optimizer(raw_model, args.lr, args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
     amp_ctx = torch.autocast(device.type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
-    torch.manual_seed(args.seed + rank)  # dropout differs per rank (a same-size resume restores its RNG)
-    resumed = run["path"] and fetch(rank0_only.get("resumed"), run["path"], lambda: read_checkpoint(run["path"])[0],
-                                    lambda loaded: loaded["sha256"] == run["sha256"])
-    progress, resume_data = restore(resumed, run["corpus_changed"], raw_model, optimizer, scaler, device,
-                                    args.num_workers)
-    verify("the step and weights", (progress["step"], weights_checksum(raw_model.state_dict())))
-    # Checkpoints and exports read raw_model.hf, so they never carry the compile wrapper's prefix.
-    compiled = torch.compile(raw_model) if args.compile else raw_model
-    model = wrap_ddp(compiled, device) if world_size > 1 else compiled
-    trainer = (raw_model, optimizer, scaler)
-    step_in_plan = config["effective_batch"] / plan["batch"]  # 1 unless resumed on another world size
-    log = Logger(args.log_to.split(",") if master else [], out_dir, config,
-                 resumed["meta"].get("tracker_runs", {}) if resumed else {})
-    if master:
-        announce(args, run, raw_model, device, progress)
-    stop_signal = []  # SIGTERM/SIGINT: every rank stops at the same step (the per-step all_reduce says it)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, frame: stop_signal.append(signum))
+    torch.manual_seed(args.seed + GROUP.rank)  # dropout differs per rank (a same-size resume restores its RNG)
+    return Trainer(raw_model, raw_model, optimizer, scaler, amp_ctx)
 
-    # --- the loop; epoch counts the epochs whose data ran out: a run stopped by --max-steps or a signal is inside it
-    timeout_s, step_limit = args.dist_timeout * 60, args.max_steps or math.inf  # else the epochs end the run
-    # One eval loader for the whole run: its workers start once, not at every eval
-    eval_loader = make_loader(eval_stream, args.num_workers, device, timeout_s, persistent=True) \
-        if eval_stream is not None else None
-    meter = new_meter(device, amp_dtype, progress)
-    if args.budget and not run["path"]:  # a resume continues the stored plan
-        plan = plan_budget(args, run, model, trainer, stream, eval_loader, device, amp_ctx, meter)
-    if plan.get("budget"):  # the plan's steps end a --budget run, not the epochs
-        step_limit = min(step_limit, progress["step"] + round((plan["total"] - run["plan_pos"]) / step_in_plan))
-    eval_metrics, train_loss, grad_norm, stopped, last_eval_step = {}, float("nan"), None, False, None
-    sums = None  # the loss sums of the last step
-    while progress["epoch"] < args.epochs and progress["step"] < step_limit and not stopped:
-        start_epoch(stream, progress["epoch"], resume_data, args.num_workers)
-        resume_data = None
-        # A new loader per epoch: its workers get this epoch's order (from the forkserver: ~0.1 s)
-        batches = iter(make_loader(stream, args.num_workers, device, timeout_s))
-        data_ended = False
-        while progress["step"] < step_limit:
-            window, cursors, counts = next_window(batches, args, device, hf_model.config, meter)
-            # The one collective per step: every rank's full window? (SUM of 0/1), the global counts, a stop
-            full, *totals, g_stop = all_reduce_ctrl([len(window) == args.accum_steps, *counts, len(stop_signal)])
-            if full < world_size or g_stop:
-                stopped, data_ended = bool(g_stop), not g_stop
-                break
-            for cursor in cursors:
-                stream.consumed(cursor)
-            lr = args.lr * lr_factor(plan, run["plan_pos"])
-            sums, grad_norm, skipped = train_step(model, optimizer, scaler, [b for b, _ in window], totals[0],
-                                                  totals[1], world_size, amp_ctx, args.clip, lr)
-            count_step(meter, progress, sums, skipped, lr, totals)
-            run["plan_pos"] += step_in_plan
-            step = progress["step"]
-            if step % args.log_every == 0:
-                train_loss = log_interval(log, meter, progress, grad_norm, scaler, args.objective)
-            if step % args.log_every == 0 or step % args.rollback_after == 0:
-                if (most := most_skipped_in_a_row(meter)) >= args.rollback_after:
-                    rollback(run, progress, trainer, meter, sums, most)
-            mark(meter, progress, device, run)
-            save, export = step % args.save_every == 0, args.export_every and step % args.export_every == 0
-            eval_now = eval_loader is not None and step % args.eval_every == 0
-            if save or export or eval_now:  # time outside training: left out of the steady rates
-                t_pause = clock(device)
-                # Weights that just gave a non-finite loss (the step was skipped: they are the ones that gave
-                # it) are neither saved nor exported: a rollback to them could not help
-                usable = not (save or export) or last_loss_finite(sums)
-                if save:
-                    checkpoint(args, run, progress, trainer, stream, device, log.runs, usable)
-                if export and usable and master and (failed := export_hf(raw_model.hf, tokenizer, out_dir)):
-                    warn(f"warning: {failed}; training goes on")
-                if eval_now:
-                    eval_metrics, last_eval_step = run_eval(raw_model, eval_loader, amp_ctx, args, log, step), step
-                meter["paused"] += clock(device) - t_pause
-        if data_ended:
-            end_epoch(progress, window, batches)
-        del batches  # end the workers now, not at interpreter exit
 
-    # --- finish: the last log, checkpoint and eval; the report, summary.json and the Hugging Face folder
-    end = clock(device)
-    if meter["interval"]["sums"] is not None:  # steps since the last log
-        train_loss = log_interval(log, meter, progress, grad_norm, scaler, args.objective)
-    if stopped and master:
-        say(f"stopped by signal at step {progress['step']} on every rank")
-    # A run never ends well on weights whose loss is not finite: they are neither kept nor exported
-    end_finite(run, progress, sums is None or last_loss_finite(sums), "training")
-    checkpoint(args, run, progress, trainer, stream, device, log.runs)
-    if eval_loader is not None and last_eval_step != progress["step"]:
-        eval_metrics = run_eval(raw_model, eval_loader, amp_ctx, args, log, progress["step"])
-        if not eval_metrics and master:
-            warn("warning: the eval set produced no masked tokens; eval skipped")
-    end_finite(run, progress, math.isfinite(eval_metrics.get("eval/mlm_loss", 0.0)), "eval")
-    eval_loader, failed = None, []  # its persistent workers end here, before the process group does
-    if master:
-        failed = [e for e in (report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, scaler),
-                              export_hf(raw_model.hf, tokenizer, out_dir)) if e]
-        log.close()
-    leave_group()
-    if failed:
-        fail(f"{'; '.join(failed)}; the checkpoint holds the weights: free space and run the same command again")
+# torch 2.13 renamed DDP's broadcast_buffers to forward_sync_buffers (the old name warns there; older: only it)
+
+
+NO_BUFFER_SYNC = {"forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                  else "broadcast_buffers": False}
+
+
+def wrap_ddp(model, device):
+    """DDP without the per-forward sync of buffers (BERT's are constant position and token-type
+    ids, synced once at the start) and with gradients kept in the all_reduce buckets (no copy)."""
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+               **NO_BUFFER_SYNC)
+
+
+def restore(run, rank0_only, trainer, device, num_workers):
+    """Load the resumed checkpoint into this rank, before the DDP wrap: DDP's start-up broadcast would hide a
+    rank that loaded something else. Returns (Progress, this rank's data cursor or None: the epoch starts
+    from its beginning, the trackers' run ids to continue)."""
+    if run.resume_path is None:
+        return Progress(), None, {}
+    resumed = fetch(rank0_only.resumed, run.resume_path, lambda: read_checkpoint(run.resume_path)[0],
+                    lambda loaded: loaded["sha256"] == run.resume_sha256)
+    meta = resumed["meta"]
+    ranks = resumed["ranks.pt"]
+    load_trainer(resumed["trainer.pt"], trainer)
+    progress = Progress.from_meta(meta)
+    tracker_runs = meta.get("tracker_runs", {})
+    if run.corpus_changed:
+        return progress, None, tracker_runs
+    if (meta["world_size"], meta["num_workers"]) == (GROUP.world_size, num_workers):
+        set_rng_states(ranks[GROUP.rank]["rng"], device)
+        return progress, ranks[GROUP.rank]["data"], tracker_runs
+    return progress, data_stream.BertPretrainStream.merge_states([r["data"] for r in ranks]), tracker_runs
+
+
+def load_trainer(state, trainer):
+    trainer.raw_model.hf.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    if trainer.scaler.is_enabled() and state["scaler"]:
+        trainer.scaler.load_state_dict(state["scaler"])
+    elif trainer.scaler.is_enabled() and GROUP.rank == 0:
+        warn("note: the checkpoint trained without fp16: a fresh GradScaler starts")
+
+
+def weights_checksum(state_dict):
+    digest = hashlib.sha256()
+    for tensor in state_dict.values():
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def rng_states(device):
+    """This rank's torch RNG states, which dropout draws from (nothing draws from Python's or
+    NumPy's global RNG: the stream's masking and shuffling have generators of their own)."""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def set_rng_states(states, device):
+    torch.set_rng_state(states["torch"])
+    if device.type == "cuda" and states["cuda"] is not None:
+        torch.cuda.set_rng_state(states["cuda"], device)
 
 
 # ----------------------------------------------------------------------------- device
+
 
 def setup_device(args):
     """This rank's device and autocast dtype (None: fp32). torchrun sets LOCAL_RANK."""
@@ -448,35 +966,13 @@ def clock(device):
     return time.perf_counter()
 
 
-# Dense peak FLOP/s from the data sheets: (bf16/fp16 tensor cores, TF32, fp32; V100 and T4: no TF32). A key
-# matches whole words of the name, the longest first ("H100 PCIe" before "H100"; "T400" is no T4): an unknown
-# GPU gets no MFU rather than a wrong one.
-GPU_PEAKS = {"GB200": (2500e12, 1250e12, 80e12), "B200": (2250e12, 1100e12, 75e12),
-             "H200 NVL": (835e12, 418e12, 60e12), "H200": (989e12, 494e12, 67e12), "GH200": (989e12, 494e12, 67e12),
-             "H100 PCIe": (756e12, 378e12, 51e12), "H100 NVL": (835e12, 418e12, 60e12),
-             "H100": (989e12, 494e12, 67e12), "A100": (312e12, 156e12, 19.5e12), "A10G": (70e12, 35e12, 31.2e12),
-             "A10": (125e12, 62.5e12, 31.2e12), "L40S": (362e12, 183e12, 91.6e12), "L40": (181e12, 90.5e12, 90.5e12),
-             "L4": (121e12, 60e12, 30.3e12), "RTX 4090": (165e12, 82.6e12, 82.6e12),
-             "RTX 3090": (71e12, 35.6e12, 35.6e12), "V100 PCIe": (112e12, 14e12, 14e12),
-             "V100": (125e12, 15.7e12, 15.7e12), "T4": (65e12, 8.1e12, 8.1e12)}
-
-
-def gpu_peak(name, amp_dtype, tf32):
-    """The dense peak of the GPU called `name` for the math the run does, or None when unknown."""
-    words = " " + " ".join(re.split(r"[\s_-]+", name.upper())) + " "
-    for key in sorted(GPU_PEAKS, key=len, reverse=True):
-        if f" {key.upper()} " in words:
-            return GPU_PEAKS[key][0 if amp_dtype is not None else 1 if tf32 else 2]
-    return None
-
-
 def peak_flops(device, amp_dtype):
     """Dense peak of the device, for MFU: a table for GPUs, a measured fp32 matmul on CPUs."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         peak = gpu_peak(name, amp_dtype, torch.get_float32_matmul_precision() != "highest")
-        if peak is None and GROUP["rank"] == 0:
-            warn(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to GPU_PEAKS)")
+        if peak is None and GROUP.rank == 0:
+            warn(f"note: no peak FLOP/s known for {name}: MFU is n/a (add it to model.GPU_PEAKS)")
         return peak
     # Timed once per machine and thread count and cached (~2.4 s on a core); delete cpu_peak.json to redo it
     path, key = os.path.join(data_stream.CACHE_DIR, "cpu_peak.json"), f"{HOST} {torch.get_num_threads()} threads"
@@ -500,79 +996,6 @@ def peak_flops(device, amp_dtype):
     return known[key]
 
 
-# ----------------------------------------------------------------------------- agreement between ranks
-# Rank 0 decides, every rank verifies, a rank that disagrees stops every rank with one line naming itself.
-# What rank 0 decided travels over the process group (no shared file system), and every yes/no that gates
-# a collective is agreed on by all ranks first: no rank waits in a collective the others skipped.
-HOST = socket.gethostname()
-PREPARE_TIMEOUT = timedelta(hours=24)  # rank 0 may train a tokenizer and count a corpus meanwhile
-GROUP = {"rank": 0, "world_size": 1, "store": None, "ctrl": None}
-OUT_DIR_LOCK = {}  # rank 0's open lock file of each out dir it runs in (lock_out_dir)
-
-
-class UserError(Exception):
-    """A user mistake: the rank that finds it says it in one line; every rank exits with code 2."""
-
-
-USER_ERRORS = (UserError, data_stream.CorpusError)
-
-
-def fail(message):
-    raise UserError(message)
-
-
-def say_error(message):
-    where = f"rank {GROUP['rank']} on {HOST}: " if GROUP["world_size"] > 1 else ""
-    warn(f"pretrain_ddp.py: error: {where}{message}")
-
-
-def join_group(device, timeout, newest_step):
-    """Create the process group in a namespace every rank of this launch agrees on. torchrun's restarts
-    keep the dead group's store, and each agent counts its own restarts (PyTorch issue 135712), so
-    neither tells a restarted rank which keys are current: torchrun's rank 0 names a fresh namespace;
-    every other rank posts a random nonce and waits for the name under it (only a live rank 0 answers).
-    There, rank 0 becomes a process that sees the newest checkpoint (newest_step, in its own out dir):
-    a restart that moved torchrun's rank 0 to another node still resumes."""
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    GROUP.update(rank=rank, world_size=world_size)
-    if world_size == 1:
-        return
-    store = next(dist.rendezvous("env://", timeout=timeout))[0]
-    base = f"bert_ddp/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}"
-    if rank == 0:
-        name, answered, deadline = uuid.uuid4().hex, set(), time.monotonic() + timeout.total_seconds()
-        store.append(f"{base}/{name}/members", f"{rank}:{newest_step} ")
-        store.add(f"{base}/{name}/joined", 1)
-        while store.add(f"{base}/{name}/joined", 0) < world_size:
-            if store.check([f"{base}/hello"]):
-                for nonce in set(store.get(f"{base}/hello").decode().split()) - answered:
-                    store.set(f"{base}/welcome/{nonce}", name)  # stale nonces of dead ranks too: harmless
-                    answered.add(nonce)
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"only {store.add(f'{base}/{name}/joined', 0)} of {world_size} ranks "
-                                          "joined rank 0 within --dist-timeout")
-            time.sleep(0.02)
-        store.set(f"{base}/{name}/complete", "1")
-    else:
-        nonce = uuid.uuid4().hex
-        store.append(f"{base}/hello", nonce + " ")
-        store.wait([f"{base}/welcome/{nonce}"], timeout)
-        name = store.get(f"{base}/welcome/{nonce}").decode()
-        store.append(f"{base}/{name}/members", f"{rank}:{newest_step} ")
-        store.add(f"{base}/{name}/joined", 1)
-        store.wait([f"{base}/{name}/complete"], timeout)
-    members = [tuple(map(int, m.split(":"))) for m in store.get(f"{base}/{name}/members").decode().split()]
-    order = sorted(members, key=lambda m: (-m[1], m[0]))  # the newest checkpoint first, then torchrun's order
-    GROUP["rank"] = rank = [m[0] for m in order].index(rank)
-    GROUP["store"] = dist.PrefixStore(f"{base}/{name}", store)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=GROUP["store"], rank=rank,
-                            world_size=world_size, timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
-    # Control traffic (flags, decisions, the per-step all_reduce) runs on the CPU (gloo) even under
-    # nccl: reading its result never waits for the GPU, which keeps queueing kernels ahead.
-    GROUP["ctrl"] = dist.new_group(backend="gloo", timeout=timeout) if device.type == "cuda" else None
-
-
 def newest_local_step(args):
     """The step of the newest checkpoint this process sees in its own out dir, -1 if none."""
     latest = read_latest(os.path.join(args.out_dir or default_out_dir(), "checkpoints"))
@@ -585,103 +1008,20 @@ def default_out_dir():
     return f"runs/run-{run_id}" if run_id != "none" else time.strftime("runs/%Y%m%d-%H%M%S")
 
 
-def gather(value):
-    """[(host, value) of rank 0, (host, value) of rank 1, ...] on every rank."""
-    items = [(HOST, value)] * GROUP["world_size"]
-    if GROUP["world_size"] > 1:
-        dist.all_gather_object(items, (HOST, value), group=GROUP["ctrl"])
-    return items
-
-
-def from_rank0(obj):
-    """Rank 0's obj on every rank (picklable: plans, names, a checkpoint's tensors)."""
-    box = [obj]
-    if GROUP["world_size"] > 1:
-        dist.broadcast_object_list(box, src=0, group=GROUP["ctrl"])
-    return box[0]
-
-
-def unless_local(mine):
-    """Collective: `mine` (None: this rank could not read it) where every rank has it, else rank 0's
-    on every rank (rank 0 always has it): sent over the process group only when needed."""
-    if any(lacking for _, lacking in gather(mine is None)):
-        sent = from_rank0(mine if GROUP["rank"] == 0 else None)
-        mine = mine if mine is not None else sent
-    return mine
-
-
-def agree(error):
-    """Collective: if any rank has an error (a string), the ranks that found it say it, all exit 2."""
-    errors = [e for _, e in gather(error)]
-    if any(errors):
-        if error and (GROUP["rank"] == 0 or error != errors[0]):  # not a copy of rank 0's line
-            say_error(error)
-        raise SystemExit(2)
-
-
-def verify(what, mine):
-    """Collective: every rank's `mine` must equal rank 0's; the ranks that differ say how, all exit 2."""
-    values = gather(mine)
-    host0, theirs = values[0]
-    if all(v == theirs for _, v in values):
-        return
-    if mine != theirs:
-        if isinstance(mine, dict):  # name only what differs
-            keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-            mine, theirs = {k: mine.get(k) for k in keys}, {k: theirs.get(k) for k in keys}
-        say_error(f"{what} is not rank 0's: {mine} here, {theirs} on rank 0 ({host0})")
-    raise SystemExit(2)
-
-
-def rank0_prepares(prepare):
-    """prepare() on rank 0, its result on every rank. The others wait on the store with a long
-    timeout meanwhile (training a tokenizer on a big corpus can take hours), not in a collective
-    bounded by --dist-timeout; a user error on rank 0 reaches every rank."""
-    result, error = None, None
-    if GROUP["rank"] == 0:
-        try:
-            result = prepare()
-        except USER_ERRORS as e:
-            error = str(e)
-        finally:
-            if GROUP["store"] is not None:
-                GROUP["store"].set("prepared", "1")
-    elif GROUP["store"] is not None:
-        GROUP["store"].wait(["prepared"], PREPARE_TIMEOUT)
-    agree(error)
-    return from_rank0(result)
-
-
-def all_reduce_ctrl(values):
-    """Collective: the elementwise SUM of every rank's values (floats, on the control group)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if GROUP["world_size"] > 1:
-        dist.all_reduce(t, group=GROUP["ctrl"])
-    return t.tolist()
-
-
-def leave_group():
-    """Every rank leaves together (rank 0's writes done, the DataLoader workers ended): one barrier, then
-    every group destroyed before teardown. A rank that left while a peer used the group, or a group left
-    to teardown, could abort on a gloo thread, and torchrun would report (and restart) a finished job."""
-    if dist.is_initialized():
-        dist.barrier(group=GROUP["ctrl"])
-        dist.destroy_process_group()
-
-
 # ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
 
-def plan_run(args, world_size, device, amp_dtype, rank0_only):
-    """Rank 0 decides the run: out dir, checkpoint, tokenizer, corpus, LR plan. Returns what every
-    rank needs (sent over the process group); rank 0's tokenizer, stream, checkpoint and --init-from
-    weights go to rank0_only."""
+
+def plan_run(args, device, amp_dtype, rank0_only):
+    """Rank 0 decides the run: out dir, checkpoint, tokenizer, corpus, LR plan. Returns (Run, LRPlan), what
+    every rank needs (sent over the process group); what rank 0 read goes to rank0_only."""
     out_dir = args.out_dir or default_out_dir()
     lock_out_dir(out_dir)
-    path, resumed = choose_checkpoint(args, os.path.join(out_dir, "checkpoints"))
+    path, resumed = choose_checkpoint(os.path.join(out_dir, "checkpoints"), args.resume, args.overwrite)
     if args.resume == "none" and args.overwrite:
         for old in ("checkpoints", "tokenizer"):
             shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
-    init, source = None, f"--model-size {args.model_size}"
+    init = None
+    source = f"--model-size {args.model_size}"
     if args.init_from and resumed is not None:
         warn(f"note: {out_dir} has checkpoints of its own: resuming them, not --init-from {args.init_from}")
     elif args.init_from:
@@ -692,11 +1032,11 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
         init = {"kind": kind, "folder": folder, "objective": args.objective, "seed": args.seed,
                 "checksum": weights_checksum(weights), "tokenizer": init_tokenizer}
         source = f"--init-from {folder}"
-        rank0_only["init_weights"] = weights
+        rank0_only.init_weights = weights
     tokenizer = run_tokenizer(args, out_dir, resumed, path, init and init["tokenizer"])
     if resumed is not None:
-        before, source = resumed["meta"]["config"], f"the checkpoint {path}"
-        architecture = before["architecture"]
+        source = f"the checkpoint {path}"
+        architecture = resumed["meta"]["config"]["architecture"]
     elif init is None:
         architecture = new_architecture(args.model_size or "tiny", len(tokenizer), args.max_seq_len,
                                         tokenizer.pad_token_id)
@@ -712,84 +1052,74 @@ def plan_run(args, world_size, device, amp_dtype, rank0_only):
     if init and notes:
         warn(f"note: {source}: {'; '.join(notes)}")
     stream = make_stream(args, args.corpus, "train", tokenizer, args.seed, True)
-    effective_batch = args.batch_size * args.accum_steps * world_size
-    config = {**vars(args), "out_dir": out_dir, "world_size": world_size, "device": str(device),
+    config = {**vars(args), "out_dir": out_dir, "world_size": GROUP.world_size, "device": str(device),
               "model_size": model_size, "architecture": architecture,
               "vocab": len(tokenizer), "tokenizer_path": os.path.join(out_dir, "tokenizer"),
               "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else "fp32",
-              "effective_batch": effective_batch}
-    run = {"out_dir": out_dir, "path": path, "sha256": resumed and resumed["sha256"], "corpus_changed": False,
-           "fingerprint": stream.fingerprint(), "tokenizer_hash": data_stream.tokenizer_hash(tokenizer), "init": init}
+              "effective_batch": args.batch_size * args.accum_steps * GROUP.world_size}
+    corpus_changed = False
     if resumed is None:
-        plan, estimate = new_lr_plan(args, stream, world_size)
-        run.update(plan=plan, plan_pos=0.0, estimate=estimate)
+        plan, estimate = new_lr_plan(args, stream)
     else:
-        meta = resumed["meta"]
-        changed = [f"{k} (checkpoint {before.get(k, old)!r}, now {config[k]!r})"
-                   for k, old in RESUME_MUST_MATCH.items() if before.get(k, old) != config[k]]
-        if changed:
-            fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
-                 "or --resume none --overwrite")
-        if meta["fingerprint"] != run["fingerprint"]:
-            if not args.allow_corpus_change:
-                fail(f"cannot resume from {path}: the corpus changed (checkpoint {meta['fingerprint']}, now "
-                     f"{run['fingerprint']}); --allow-corpus-change restarts the epoch on it, or use another --out-dir")
-            warn(f"warning: the corpus changed since {path}; epoch {meta['epoch']} restarts on the new corpus")
-            run["corpus_changed"] = True
-        plan, pos = meta["plan"], meta["plan_pos"]
-        if args.budget and not plan.get("budget"):
-            fail(f"cannot resume {path} with --budget: its plan counts steps, not time; extend it with --epochs "
-                 "or --max-steps, or drop --budget")
-        lengths = [(f"--{k.replace('_', '-')}", before.get(k), getattr(args, k)) for k in ("epochs", "max_steps",
-                                                                                          "budget")]
-        if any(old != new for _, old, new in lengths):
-            new = replan(plan, pos, meta["step"], args, effective_batch)
-            if lr_factor(new, pos) == 0 and new["total"] > pos:
-                fail(f"cannot extend {path}: its LR had decayed to 0, so more steps would not train; start a new "
-                     f"plan from its weights: --init-from {out_dir} --out-dir ANOTHER_DIR")
-            warn(f"warning: {', '.join(f'{flag} {old} -> {new}' for flag, old, new in lengths if old != new)}: the "
-                 f"LR plan now ends after {new['total']:.0f} planned steps, not {plan['total']:.0f}, and goes on "
-                 f"from today's LR (never up)")
-            plan = new
-        if (meta["world_size"], meta["num_workers"]) != (world_size, args.num_workers):
-            warn(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as {world_size} x "
-                 f"{args.num_workers}: the data order is no longer bit-exact (the rest of the epoch is re-sharded; "
-                 f"no document is repeated); the LR plan continues, a step now counts as "
-                 f"{effective_batch / plan['batch']:.3g} planned steps")
-        run.update(plan=plan, plan_pos=pos, estimate=meta["estimate"])
-    config["planned_steps"] = run["plan"]["total"]
+        plan, corpus_changed = plan_resume(args, path, resumed["meta"], config, stream.fingerprint())
+        estimate = resumed["meta"]["estimate"]
     kept = os.path.join(out_dir, "tokenizer")
-    run.update(config=config, tokenizer_files={})
+    tokenizer_files = {}
     for name in os.listdir(kept):
         with open(os.path.join(kept, name), "rb") as f:
-            run["tokenizer_files"][name] = f.read()
-    rank0_only.update(tokenizer=tokenizer, stream=stream, resumed=resumed)
-    return run
+            tokenizer_files[name] = f.read()
+    rank0_only.tokenizer = tokenizer
+    rank0_only.stream = stream
+    rank0_only.resumed = resumed
+    run = Run(out_dir, config, estimate, stream.fingerprint(), data_stream.tokenizer_hash(tokenizer), tokenizer_files,
+              resume_path=path, resume_sha256=resumed and resumed["sha256"], corpus_changed=corpus_changed, init=init)
+    return run, plan
 
 
-def lock_out_dir(out_dir):
-    """Rank 0 holds an exclusive flock on <out>/.lock while it lives: a second job into the out dir (a Slurm
-    requeue beside the running job) stops before it resumes anything. The kernel drops the lock when the
-    process dies, SIGKILL included: never stale (NFSv4 has flock; where it fails, a warning)."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        fail(f"--out-dir {out_dir} is a file; give a directory")
-    os.makedirs(out_dir, exist_ok=True)
-    if os.path.realpath(out_dir) in OUT_DIR_LOCK:  # main() run again by this process (tests)
-        return
-    f = open(os.path.join(out_dir, ".lock"), "a+")  # kept open (OUT_DIR_LOCK): closing it would unlock
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        fail(f"--out-dir {out_dir} is in use by another job ({f.read().strip() or 'holder unknown'}): let it "
-             "finish or stop it, or give another --out-dir")
-    except OSError as e:
-        warn(f"warning: --out-dir {out_dir} cannot be locked ({e.strerror}): nothing stops a second job from "
-             "writing into it")
-    f.truncate(0)
-    f.write(f"held by host {HOST}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-    f.flush()
-    OUT_DIR_LOCK[os.path.realpath(out_dir)] = f
+# Fields a resume must share with the checkpoint (the corpus: its fingerprint; the tokenizer: its hash), with
+# what a checkpoint without the field had
+
+
+RESUME_MUST_MATCH = {"model_size": None, "objective": None, "max_seq_len": None, "vocab": None, "seed": None,
+                     "schedule": "linear"}
+
+
+def plan_resume(args, path, meta, config, fingerprint):
+    """Rank 0, resuming the checkpoint at path: what must match does, and the LR plan goes on (re-planned
+    when --epochs, --max-steps or --budget changed). Returns (the LR plan, whether the corpus changed)."""
+    before = meta["config"]
+    changed = [f"{k} (checkpoint {before.get(k, old)!r}, now {config[k]!r})"
+               for k, old in RESUME_MUST_MATCH.items() if before.get(k, old) != config[k]]
+    if changed:
+        fail(f"cannot resume from {path}: {'; '.join(changed)} differ; use another --out-dir, "
+             "or --resume none --overwrite")
+    corpus_changed = meta["fingerprint"] != fingerprint
+    if corpus_changed and not args.allow_corpus_change:
+        fail(f"cannot resume from {path}: the corpus changed (checkpoint {meta['fingerprint']}, now {fingerprint}); "
+             "--allow-corpus-change restarts the epoch on it, or use another --out-dir")
+    if corpus_changed:
+        warn(f"warning: the corpus changed since {path}; epoch {meta['epoch']} restarts on the new corpus")
+    plan = LRPlan.from_dict(meta["plan"])
+    pos = meta["plan_pos"]
+    if args.budget and not plan.budget:
+        fail(f"cannot resume {path} with --budget: its plan counts steps, not time; extend it with --epochs "
+             "or --max-steps, or drop --budget")
+    lengths = [(f"--{k.replace('_', '-')}", before.get(k), getattr(args, k)) for k in ("epochs", "max_steps", "budget")]
+    if any(old != new for _, old, new in lengths):
+        new = replan(plan, pos, meta["step"], args, config["effective_batch"])
+        if lr_factor(new, pos) == 0 and new.total > pos:
+            fail(f"cannot extend {path}: its LR had decayed to 0, so more steps would not train; start a new "
+                 f"plan from its weights: --init-from {config['out_dir']} --out-dir ANOTHER_DIR")
+        changes = ", ".join(f"{flag} {old} -> {new}" for flag, old, new in lengths if old != new)
+        warn(f"warning: {changes}: the LR plan now ends after {new.total:.0f} planned steps, not {plan.total:.0f}, "
+             "and goes on from today's LR (never up)")
+        plan = new
+    if (meta["world_size"], meta["num_workers"]) != (GROUP.world_size, args.num_workers):
+        warn(f"warning: resuming {meta['world_size']} ranks x {meta['num_workers']} workers as {GROUP.world_size} x "
+             f"{args.num_workers}: the data order is no longer bit-exact (the rest of the epoch is re-sharded; "
+             f"no document is repeated); the LR plan continues, a step now counts as "
+             f"{config['effective_batch'] / plan.batch:.3g} planned steps")
+    return plan, corpus_changed
 
 
 def run_tokenizer(args, out_dir, resumed, path, init_tokenizer):
@@ -823,11 +1153,13 @@ def run_tokenizer(args, out_dir, resumed, path, init_tokenizer):
 def load_run(args, run, rank0_only):
     """Every rank: the tokenizer and streams of rank 0's run, verified equal on every rank.
     Returns (tokenizer, train stream, eval stream or None)."""
-    tokenizer, stream, error = rank0_only.get("tokenizer"), rank0_only.get("stream"), None
+    tokenizer = rank0_only.tokenizer
+    stream = rank0_only.stream
+    error = None
     if stream is None:  # not rank 0: its tokenizer came over the process group, the corpus is local
         try:
             with tempfile.TemporaryDirectory() as tmp:
-                for name, data in run["tokenizer_files"].items():
+                for name, data in run.tokenizer_files.items():
                     with open(os.path.join(tmp, name), "wb") as f:
                         f.write(data)
                 tokenizer = data_stream.get_tokenizer(tmp)
@@ -845,11 +1177,11 @@ def load_run(args, run, rank0_only):
             eval_state = eval_stream.fingerprint()
         except data_stream.CorpusError as e:
             eval_state = str(e)
-    elif GROUP["rank"] == 0 and args.eval_corpus is None:
+    elif GROUP.rank == 0 and args.eval_corpus is None:
         warn("warning: no evaluation: give --eval-corpus for a held-out set")
     states = [state for _, state in gather(eval_state)]
     if eval_corpus != "none" and all(isinstance(state, str) for state in states):
-        if GROUP["rank"] == 0:
+        if GROUP.rank == 0:
             warn(f"warning: no evaluation: --eval-corpus {eval_corpus}: {states[0]}")
         return tokenizer, stream, None
     agree(f"--eval-corpus {eval_corpus}: {eval_state} (rank 0 has it; every rank needs the same eval set)"
@@ -872,556 +1204,111 @@ def fetch(mine, path, read, same):
     return unless_local(mine)
 
 
-# ----------------------------------------------------------------------------- --init-from: weights only
-# BERT's phase 2 and continued pretraining start from trained weights with a new optimizer, LR plan and
-# step 0, in the source's shape; a head the source lacks starts fresh, seeded (the same on every rank).
-HEADS = ("cls.", "bert.pooler.")
-
-
-def init_source(path):
-    """(kind, folder, its tokenizer folder or None) named by --init-from PATH; kind: checkpoint or hf."""
-    latest = read_latest(os.path.join(path, "checkpoints"))
-    if latest:  # a run's out dir
-        path = os.path.join(path, "checkpoints", latest)
-    elif os.path.isfile(os.path.join(path, "hf", "config.json")):  # a run's out dir without checkpoints
-        path = os.path.join(path, "hf")
-    if os.path.isfile(os.path.join(path, "manifest.json")):
-        tokenizer = os.path.join(os.path.dirname(os.path.dirname(os.path.normpath(path))), "tokenizer")
-        return "checkpoint", path, tokenizer if os.path.isdir(tokenizer) else None
-    if os.path.isfile(os.path.join(path, "config.json")):
-        try:
-            with open(os.path.join(path, "config.json")) as f:
-                model_type = json.load(f).get("model_type")
-        except (OSError, ValueError, AttributeError) as e:
-            fail(f"--init-from {path}: its config.json cannot be read ({e})")
-        if model_type != "bert":
-            fail(f"--init-from {path} holds a {model_type} model; this script trains BERT (model_type bert)")
-        has_tokenizer = any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "vocab.txt"))
-        return "hf", path, path if has_tokenizer else None
-    fail(f"--init-from {path} is not a checkpoint folder, a run's out dir or a Hugging Face BERT folder "
-         "(config.json + weights)")
-
-
-def load_init(kind, folder, objective, seed):
-    """The source's weights as this run's model holds them: (state_dict, architecture, notes)."""
-    from transformers import BertForMaskedLM, BertForPreTraining
-    from transformers.utils import logging as hf_logging
-    torch.manual_seed(seed)  # fresh heads: the same on every rank
-    if kind == "checkpoint":
-        loaded, problem = read_checkpoint(folder)
-        if loaded is None:
-            fail(f"--init-from {folder} cannot be used: {problem}")
-        architecture = loaded["meta"]["config"]["architecture"]
-        model = model_from(architecture, objective, 0.0)
-        missing, unexpected = model.load_state_dict(loaded["trainer.pt"]["model"], strict=False)
-    else:
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # its load report: the notes below say what matters, in one line
-        hf_logging.disable_progress_bar()
-        try:
-            model, info = (BertForPreTraining if objective == "nsp" else BertForMaskedLM).from_pretrained(
-                folder, dtype=torch.float32, output_loading_info=True)
-        except (OSError, ValueError) as e:
-            fail(f"--init-from {folder} cannot be loaded: {str(e).strip().splitlines()[0]}")
-        finally:
-            hf_logging.set_verbosity(verbosity)
-        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
-        keep = set(new_architecture("tiny", 1, 1, 0)) | {"hidden_act", "type_vocab_size", "layer_norm_eps",
-                                                          "initializer_range", "position_embedding_type"}
-        architecture = {k: v for k, v in model.config.to_dict().items() if k in keep}
-    body = sorted(k for k in missing if not k.startswith(HEADS))
-    if body:
-        fail(f"--init-from {folder} lacks {len(body)} weights of the BERT body (e.g. {body[0]}); is it a BERT model?")
-    notes = []
-    if any(k.startswith("cls.predictions.transform") for k in missing):
-        notes.append("the MLM head starts fresh (the source has none)")
-    if any(k.startswith(("cls.seq_relationship", "bert.pooler")) for k in missing):
-        notes.append("the NSP head starts fresh (the source trained without NSP)")
-    if any(k.startswith(("cls.seq_relationship", "pooler", "bert.pooler")) for k in unexpected):
-        notes.append("its NSP head is left out (--objective mlm)")
-    return model.state_dict(), architecture, notes
-
-
 # ----------------------------------------------------------------------------- the learning-rate plan
-# Planned once (from the estimate, or --budget's calibration), stored in every checkpoint. Positions count
-# steps at the planned effective batch: on another world size a step advances by its share of it.
+# Planned once (from the estimate, or --budget's calibration) and kept in every checkpoint: lr_factor (in the
+# loop's section above) reads it.
 
-def new_lr_plan(args, stream, world_size):
-    settings = (stream, world_size, args.num_workers, args.batch_size, args.accum_steps)
+
+def new_lr_plan(args, stream):
+    """Rank 0: the plan of --epochs (capped by --max-steps) from estimate_steps' count, and that estimate."""
+    settings = (stream, GROUP.world_size, args.num_workers, args.batch_size, args.accum_steps)
     epochs = args.epochs
     if args.max_steps is not None:  # estimate only the epochs --max-steps can reach (not e.g. --epochs 100000)
         first = estimate_steps.estimate(*settings, 1)
         epochs = min(epochs, math.ceil(args.max_steps / max(first["total_steps"], 1)) + 1)
     est = estimate_steps.estimate(*settings, epochs, warmup=args.warmup, schedule=args.schedule, decay=args.decay)
     total = est["total_steps"] if args.max_steps is None else min(args.max_steps, est["total_steps"] or 1)
-    return plan_of(args, total, est["total_steps"] / epochs, args.batch_size * args.accum_steps * world_size), est
+    batch = args.batch_size * args.accum_steps * GROUP.world_size
+    return plan_of(args, total, est["total_steps"] / epochs, batch), est
 
 
-def plan_of(args, total, steps_per_epoch, batch):
-    """The plan of `total` steps: warmup, then from decay_from = [position, factor] down to 0 at the total."""
+def plan_of(args, total, steps_per_epoch, batch, budget=None):
+    """The plan of `total` steps: warmup, then from decay_from = (position, factor) down to 0 at the total."""
     warmup = estimate_steps.warmup_steps(args.warmup, total)
-    return {"total": total, "warmup": warmup, "batch": batch, "steps_per_epoch": steps_per_epoch,
-            "schedule": args.schedule, "decay": args.decay,
-            "decay_from": [estimate_steps.decay_start(args.schedule, args.decay, warmup, total), 1.0]}
-
-
-def lr_factor(plan, pos):
-    """Linear warmup to 1; the factor of decay_from = [position, factor] until that position (wsd's stable
-    phase), then down to 0 at the total: linear, or cosine. Plans from before --schedule are linear."""
-    if pos < plan["warmup"]:
-        return (pos + 1) / plan["warmup"]
-    start, factor = plan["decay_from"]
-    done = min(max(pos - start, 0) / max(plan["total"] - start, 1), 1.0)
-    return factor * (0.5 * (1 + math.cos(math.pi * done)) if plan.get("schedule") == "cosine" else 1 - done)
+    decay_start = estimate_steps.decay_start(args.schedule, args.decay, warmup, total)
+    return LRPlan(total, warmup, batch, steps_per_epoch, args.schedule, args.decay, (decay_start, 1.0), budget)
 
 
 def replan(plan, pos, step, args, batch):
     """--epochs, --max-steps or --budget changed on resume: the plan ends elsewhere, and the LR never jumps:
     a wsd plan in its stable phase keeps its peak and decays over the new end's --decay; a decaying plan
     decays from today's LR; a plan in its warmup keeps it."""
-    total = args.epochs * plan["steps_per_epoch"]
+    total = args.epochs * plan.steps_per_epoch
     if args.max_steps is not None:
-        total = min(total, pos + (args.max_steps - step) * batch / plan["batch"])
-    if plan.get("budget") and args.budget:  # the stored step time: a resume never measures again
-        total = min(total, plan["total"] + (args.budget - plan["budget"]["seconds"]) / plan["budget"]["step_s"])
-    if plan.get("schedule") == "wsd" and pos < plan["decay_from"][0]:  # stable (or warming up): peak, then decay
-        decay_from = [max(pos, estimate_steps.decay_start("wsd", plan["decay"], plan["warmup"], total)), 1.0]
-    else:  # in its warmup a linear/cosine plan keeps the decay's start; a decaying plan goes on from today's LR
-        decay_from = plan["decay_from"] if pos < plan["warmup"] else [pos, lr_factor(plan, pos)]
-    return {**plan, "total": total, "decay_from": decay_from}
+        total = min(total, pos + (args.max_steps - step) * batch / plan.batch)
+    if plan.budget and args.budget:  # the stored step time: a resume never measures again
+        total = min(total, plan.total + (args.budget - plan.budget.seconds) / plan.budget.step_s)
+    if plan.schedule == "wsd" and pos < plan.decay_from[0]:  # stable (or warming up): peak, then decay
+        decay_from = (max(pos, estimate_steps.decay_start("wsd", plan.decay, plan.warmup, total)), 1.0)
+    elif pos < plan.warmup:  # a linear or cosine plan in its warmup keeps the decay's start
+        decay_from = plan.decay_from
+    else:  # a decaying plan goes on from today's LR
+        decay_from = (pos, lr_factor(plan, pos))
+    return dataclasses.replace(plan, total=total, decay_from=decay_from)
 
 
-CALIBRATION = (3, 10)  # --budget: steps before the timed ones (worker start, allocator, compile), steps timed
-
-
-def plan_budget(args, run, model, trainer, stream, eval_loader, device, amp_ctx, meter):
+def plan_budget(args, run, plan, trainer, stream, eval_loader, device, meter):
     """Collective, --budget: every rank runs real steps (3 untimed) and an eval, rank 0 a save; rank 0
     times them and plans the steps that fit (the calibration counted, eval and saves by their share),
     capped by --epochs and --max-steps. Weights, optimizer, loss scale, RNG and data are then as
     before: step 1 runs on the final plan, which every checkpoint carries (a resume never measures)."""
-    raw_model, optimizer, scaler = trainer
-    before = [{k: v.to("cpu", copy=True) for k, v in raw_model.state_dict().items()}, scaler.state_dict(),
-              rng_states(device)]  # and the optimizer's state: none yet
+    raw_model = trainer.raw_model
+    weights_before = {k: v.to("cpu", copy=True) for k, v in raw_model.state_dict().items()}
+    scale_before = trainer.scaler.state_dict()
+    rng_before = rng_states(device)  # and the optimizer's state: none yet
     times = [clock(device)]
     start_epoch(stream, 0, None, args.num_workers)
     batches = iter(make_loader(stream, args.num_workers, device, args.dist_timeout * 60))
     while len(times) <= sum(CALIBRATION):
         window, _, counts = next_window(batches, args, device, raw_model.hf.config, meter)
         full, *totals, _ = all_reduce_ctrl([len(window) == args.accum_steps, *counts, 0])
-        if full < GROUP["world_size"]:
+        if full < GROUP.world_size:
             break
-        train_step(model, optimizer, scaler, [b for b, _ in window], totals[0], totals[1], GROUP["world_size"],
-                   amp_ctx, args.clip, args.lr * lr_factor(run["plan"], 0))
+        train_step(trainer, [batch for batch, _ in window], totals[0], totals[1], GROUP.world_size, args.clip,
+                   args.lr * lr_factor(plan, 0))
         times.append(clock(device))
     del batches
     warm = min(CALIBRATION[0], len(times) - 2) if len(times) > 1 else 0
     step_s = (times[-1] - times[warm]) / max(len(times) - 1 - warm, 1) if len(times) > 1 else math.inf
     if eval_loader is not None:
-        evaluate(raw_model, eval_loader, device, amp_ctx, GROUP["world_size"], args.objective == "nsp")
-    marks, tmp = [clock(device)], os.path.join(run["out_dir"], ".budget-calibration")
-    if GROUP["rank"] == 0:  # a checkpoint's write, deleted (an export, a third of it, is counted as one)
-        state = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict()}
+        evaluate(raw_model, eval_loader, trainer.amp_ctx, args.objective == "nsp")
+    eval_end = clock(device)
+    if GROUP.rank == 0:  # a checkpoint's write, deleted (an export, a third of it, is counted as one)
+        tmp = os.path.join(run.out_dir, ".budget-calibration")
+        state = {"model": raw_model.hf.state_dict(), "optimizer": trainer.optimizer.state_dict()}
         save_checkpoint(tmp, 0, {"trainer.pt": state}, {}, 1)
         shutil.rmtree(tmp)
-    marks.append(clock(device))
-    raw_model.load_state_dict(before[0])
-    optimizer.state.clear()
-    scaler.load_state_dict(before[1])
-    set_rng_states(before[2], device)
-    meter.update(interval=new_interval(), data_wait=0.0)
-    spent = marks[-1] - times[0]
-    per_step = step_s + (marks[0] - times[-1]) / args.eval_every + (marks[1] - marks[0]) * \
-        (1 / args.save_every + (1 / args.export_every if args.export_every else 0))
+    save_end = clock(device)
+    raw_model.load_state_dict(weights_before)
+    trainer.optimizer.state.clear()
+    trainer.scaler.load_state_dict(scale_before)
+    set_rng_states(rng_before, device)
+    meter.interval = Interval()
+    meter.data_wait = 0.0
+    spent = save_end - times[0]
+    saves_per_step = 1 / args.save_every + (1 / args.export_every if args.export_every else 0)
+    per_step = step_s + (eval_end - times[-1]) / args.eval_every + (save_end - eval_end) * saves_per_step
     fit = int(max(args.budget - spent, 0) // per_step)
-    budget = {"seconds": args.budget, "step_s": per_step, "train_step_s": step_s, "calibration_s": spent,
-              "steps_fit": fit, "limit": "budget" if fit < run["plan"]["total"] else "epochs"}
-    plan = from_rank0({**plan_of(args, min(fit, run["plan"]["total"]), run["plan"]["steps_per_epoch"],
-                                 run["plan"]["batch"]), "budget": budget})
-    agree(f"--budget {estimate_steps.hours(args.budget)} holds no step: the calibration took {spent:.1f} s and a "
-          f"step takes {per_step:.3g} s here" if plan["total"] < 1 and GROUP["rank"] == 0 else None)
-    run["plan"], run["config"]["planned_steps"] = plan, plan["total"]
-    if GROUP["rank"] == 0:
-        announce_budget(run)
+    budget = Budget(args.budget, per_step, step_s, spent, fit, "budget" if fit < plan.total else "epochs")
+    plan = from_rank0(plan_of(args, min(fit, plan.total), plan.steps_per_epoch, plan.batch, budget))
+    error = None
+    if plan.total < 1 and GROUP.rank == 0:
+        error = (f"--budget {estimate_steps.hours(args.budget)} holds no step: the calibration took {spent:.1f} s "
+                 f"and a step takes {per_step:.3g} s here")
+    agree(error)
+    if GROUP.rank == 0:
+        announce_budget(plan)
     return plan
 
 
-# ----------------------------------------------------------------------------- checkpoints
-# <out>/checkpoints/step_000400/{trainer.pt, ranks.pt, manifest.json} and <out>/checkpoints/latest. Written
-# into a hidden folder, every file fsynced, the manifest (sha256s) last, then renamed into place: a crash
-# leaves the previous one usable, a damaged one fails its checksums. Loads are torch.load(weights_only=True).
-# Fields a resume must share with the checkpoint (the corpus: its fingerprint; the tokenizer: its hash):
-RESUME_MUST_MATCH = {"model_size": None, "objective": None, "max_seq_len": None, "vocab": None, "seed": None,
-                     "schedule": "linear"}  # (what a checkpoint without the field had)
-
-
-def save_checkpoint(root, step, files, meta, keep_last):
-    """Write {name: object} atomically as root/step_<step>; keep the newest keep_last complete ones."""
-    name = f"step_{step:06d}"
-    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
-    os.makedirs(root, exist_ok=True)
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a crash during an earlier save
-    os.makedirs(tmp)
-    try:
-        for file_name, obj in files.items():
-            _write(os.path.join(tmp, file_name), lambda f, obj=obj: torch.save(obj, f))
-        manifest = {"meta": meta, "sha256": {f: _sha256(os.path.join(tmp, f)) for f in files}}
-        _write(os.path.join(tmp, "manifest.json"), lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-        _fsync_dir(tmp)
-    except BaseException:  # e.g. the disk is full: no half-written folder stays
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # The pointer moves first: a crash before the rename leaves it naming a missing step, and --resume auto
-    # takes the newest complete one below it (moved after, the new checkpoint would look abandoned)
-    point_latest(root, name)
-    if os.path.exists(final):  # the same step saved twice (e.g. a resumed run's final save)
-        old = os.path.join(root, f".old-{name}")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)  # a crash before the next rename leaves only .old-: choose_checkpoint restores it
-        os.rename(tmp, final)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-    _fsync_dir(root)
-    for old in sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-keep_last]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    return final
-
-
-def _write(path, write):
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def point_latest(root, name):
-    data_stream.atomic_write(os.path.join(root, "latest"), lambda f: f.write(name.encode()))
-
-
-def read_latest(root):
-    """The name of the checkpoint that root/latest points to ('step_000400'), None if none."""
-    try:
-        with open(os.path.join(root, "latest")) as f:
-            name = f.read().strip()
-    except OSError:
-        return None
-    return name if name.startswith("step_") and name[5:].isdigit() else None
-
-
-def read_checkpoint(path):
-    """The checkpoint's meta and files, or a one-line reason why it cannot be used."""
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-        for file_name, digest in manifest["sha256"].items():
-            if _sha256(os.path.join(path, file_name)) != digest:
-                return None, f"{file_name} does not match its checksum"
-        files = {f: torch.load(os.path.join(path, f), map_location="cpu", weights_only=True)
-                 for f in manifest["sha256"]}
-    except (OSError, ValueError, KeyError, RuntimeError, pickle.UnpicklingError) as e:
-        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
-    return {"meta": manifest["meta"], "sha256": manifest["sha256"], **files}, None
-
-
-def choose_checkpoint(args, root):
-    """Rank 0's choice: (path, checkpoint) to resume, or (None, None). `latest` names the timeline: a
-    step_* newer than the checkpoint resumed (abandoned by a rollback to an older step, or damaged) goes
-    to checkpoints/abandoned/ with a warning, never resumed nor counted by --keep-last."""
-    for d in os.listdir(root) if os.path.isdir(root) else []:
-        if d.startswith(".old-step_"):  # a re-save crashed between its renames (save_checkpoint)
-            if os.path.isdir(os.path.join(root, d[5:])):
-                shutil.rmtree(os.path.join(root, d))
-            else:
-                os.rename(os.path.join(root, d), os.path.join(root, d[5:]))
-    steps = {int(d[5:]): d for d in (os.listdir(root) if os.path.isdir(root) else [])
-             if d.startswith("step_") and d[5:].isdigit()}
-    if args.resume == "none":
-        if steps and not args.overwrite:
-            fail(f"--out-dir {os.path.dirname(root)} holds checkpoints: --resume auto continues from them, "
-                 "--overwrite deletes them, or choose another --out-dir")
-        return None, None
-    path, loaded = None, None
-    if args.resume == "auto":
-        latest = read_latest(root)
-        newest = int(latest[5:]) if latest else None
-        for s in sorted((s for s in steps if newest is None or s <= newest), reverse=True):
-            loaded, problem = read_checkpoint(os.path.join(root, steps[s]))
-            if loaded is not None:
-                path = os.path.join(root, steps[s])
-                break
-            warn(f"warning: checkpoint {os.path.join(root, steps[s])} is damaged ({problem}); trying an older one")
-        newest = loaded["meta"]["step"] if loaded else newest
-    else:
-        path = args.resume
-        if not os.path.isdir(path):
-            fail(f"--resume {path} is not a checkpoint folder (or auto, none)")
-        loaded, problem = read_checkpoint(path)
-        if loaded is None:
-            fail(f"--resume {path} cannot be used: {problem}")
-        newest = loaded["meta"]["step"]
-    abandoned = sorted(s for s in steps if newest is not None and s > newest)
-    for s in abandoned:
-        aside = os.path.join(root, "abandoned", steps[s])
-        shutil.rmtree(aside, ignore_errors=True)
-        os.makedirs(os.path.dirname(aside), exist_ok=True)
-        os.rename(os.path.join(root, steps[s]), aside)
-    if abandoned:
-        warn(f"warning: checkpoint(s) of step {', '.join(map(str, abandoned))} are newer than the timeline "
-             f"resumed here (step {newest}); moved to {os.path.join(root, 'abandoned')}")
-    if path is not None and os.path.realpath(os.path.dirname(path)) == os.path.realpath(root):
-        point_latest(root, os.path.basename(os.path.normpath(path)))
-    return path, loaded
-
-
-def checkpoint(args, run, progress, trainer, stream, device, tracker_runs, loss_finite=True):
-    """Collective: every rank's RNG and data cursor go to rank 0, which writes the checkpoint
-    atomically. A step saved already is not saved again (the final save after a save at that step), nor
-    weights that gave a non-finite loss (loss_finite false: no rollback target)."""
-    if run.get("saved_at") == [progress["step"], progress["epoch"]]:
-        return
-    run["saved_at"] = [progress["step"], progress["epoch"]]
-    mine = {"rng": rng_states(device), "data": stream.state_dict()}
-    gathered = [None] * GROUP["world_size"] if GROUP["rank"] == 0 else None
-    if GROUP["world_size"] > 1:
-        dist.gather_object(mine, gathered, dst=0, group=GROUP["ctrl"])
-    else:
-        gathered = [mine]
-    error, root = None, os.path.join(run["out_dir"], "checkpoints")
-    if GROUP["rank"] == 0:
-        meta = {**progress, "world_size": GROUP["world_size"], "num_workers": args.num_workers,
-                "config": run["config"], "plan": run["plan"], "plan_pos": run["plan_pos"],
-                "estimate": run["estimate"], "tokenizer_hash": run["tokenizer_hash"],
-                "fingerprint": run["fingerprint"], "tracker_runs": tracker_runs}
-        raw_model, optimizer, scaler = trainer
-        state = {"model": raw_model.hf.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scaler": scaler.state_dict()}
-        latest, step = read_latest(root), progress["step"]
-        kept = f"{os.path.join(root, latest)} is the newest complete checkpoint" if latest else "no checkpoint yet"
-        save = functools.partial(save_checkpoint, root, step, {"trainer.pt": state, "ranks.pt": gathered}, meta,
-                                 args.keep_last)
-        if not torch.stack([torch.isfinite(p).all() for p in raw_model.parameters()]).all():
-            error = f"the weights at step {step} are not finite: not saved; {kept}"
-        elif not loss_finite:
-            say(f"not saved at step {step}: the weights gave a non-finite loss in the last step; {kept}")
-        elif error := data_stream.try_write(lambda: say(f"saved {save()}"), f"checkpoint step_{step:06d} into {root}",
-                                            root, nbytes(state)):
-            error += f"; {kept}: free space and run the same command again to resume there"
-    agree(error)  # one line from rank 0, every rank stops
-
-
-def restore(resumed, corpus_changed, raw_model, optimizer, scaler, device, num_workers):
-    """Load the resumed checkpoint into this rank, before the DDP wrap: DDP's start-up broadcast
-    would hide a rank that loaded something else. Returns the progress counters and this rank's
-    data cursor (None: the epoch starts from its beginning)."""
-    progress = {"step": 0, "epoch": 0, "samples_seen": 0, "tokens_seen": 0, "flops_done": 0.0,
-                "unused_per_epoch": [], "train_seconds": 0.0, "rollbacks": 0}
-    if resumed is None:
-        return progress, None
-    meta, ranks = resumed["meta"], resumed["ranks.pt"]
-    load_trainer(resumed["trainer.pt"], raw_model, optimizer, scaler)
-    progress.update({k: meta.get(k, progress[k]) for k in progress})
-    if corpus_changed:
-        return progress, None
-    if (meta["world_size"], meta["num_workers"]) == (GROUP["world_size"], num_workers):
-        set_rng_states(ranks[GROUP["rank"]]["rng"], device)
-        return progress, ranks[GROUP["rank"]]["data"]
-    return progress, data_stream.BertPretrainStream.merge_states([r["data"] for r in ranks])
-
-
-def load_trainer(state, raw_model, optimizer, scaler):
-    raw_model.hf.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if scaler.is_enabled() and state["scaler"]:
-        scaler.load_state_dict(state["scaler"])
-    elif scaler.is_enabled() and GROUP["rank"] == 0:
-        warn("note: the checkpoint trained without fp16: a fresh GradScaler starts")
-
-
-def most_skipped_in_a_row(meter):
-    """Collective: the most steps skipped in a row since the last call. Every rank skipped the same steps
-    (their all-reduced gradients are the same); agreed all the same, since it decides a collective."""
-    skips = meter["skips"]
-    most = all_reduce_ctrl([float(skips[2])])[0] / GROUP["world_size"]
-    skips[2] = skips[1]
-    return most
-
-
-def last_loss_finite(sums):
-    """Collective: did the last step give a finite loss on every rank? A step whose loss was not finite was
-    skipped, so the weights now are the ones that gave it."""
-    return all_reduce_ctrl([float(not torch.isfinite(sums[0] + sums[2]))])[0] == 0
-
-
-def rollback(run, progress, trainer, meter, sums, most):
-    """Collective: --rollback-after steps in a row had an inf/NaN gradient (skipped). Every rank loads the
-    newest checkpoint's weights, optimizer and loss scale, and goes on with the data after those steps (not
-    replayed), the step count and LR plan too. No checkpoint is saved while the loss is not finite, so a
-    second rollback to the same one means the steps right after it failed again: it did not help. Then,
-    or with no checkpoint, the run stops (that checkpoint moved aside: a re-run resumes the one before)."""
-    root, step = os.path.join(run["out_dir"], "checkpoints"), progress["step"]
-    path = from_rank0(read_latest(root) and os.path.join(root, read_latest(root)))
-    what = "a non-finite loss" if not last_loss_finite(sums) else "an inf/NaN gradient"
-    skipped = f"{most:.0f} steps in a row up to step {step} had {what} (skipped)"
-    error = None
-    if GROUP["rank"] == 0 and path is None:
-        error = "there is no checkpoint to roll back to"
-    elif GROUP["rank"] == 0 and run.get("rolled_back_to") == path:
-        error = f"a rollback to {path} did not help (the steps after it were skipped again); " + abandon(root, path)
-    agree(f"{skipped}, and {error}: lower --lr or --clip, raise --warmup, or look at the data of these steps"
-          if error else None)
-    mine = read_checkpoint(path)[0] if GROUP["rank"] == 0 else None
-    sha = from_rank0(mine and mine["sha256"])
-    loaded = fetch(mine, path, lambda: read_checkpoint(path)[0], lambda c: c["sha256"] == sha)
-    load_trainer(loaded["trainer.pt"], *trainer)
-    run["rolled_back_to"], progress["rollbacks"] = path, progress["rollbacks"] + 1
-    run["saved_at"] = [step, progress["epoch"]]  # these are the weights of path: not saved again at this step
-    meter["skips"][1:] = 0
-    if GROUP["rank"] == 0:
-        say(f"{skipped}: rolled the weights and optimizer back to {path}; the data goes on after step "
-            f"{step} (the batches since step {loaded['meta']['step']} are not replayed)")
-
-
-def end_finite(run, progress, finite, what):
-    """Collective, at the end: a run whose last weights gave a non-finite loss stops with one line, its final
-    checkpoint (if saved already) moved aside, no export."""
-    root, step = os.path.join(run["out_dir"], "checkpoints"), progress["step"]
-    error = None
-    if GROUP["rank"] == 0 and not finite:
-        saved = read_latest(root) == f"step_{step:06d}" and run.get("saved_at", [None])[0] == step
-        error = (f"the {what} loss at the end (step {step}) is not finite: the model is not exported; "
-                 + (abandon(root, os.path.join(root, f"step_{step:06d}")) if saved else "no checkpoint is saved")
-                 + "; lower --lr or --clip, raise --warmup, or look at the data of the last steps")
-    agree(error)
-
-
-def abandon(root, path):
-    """Rank 0: move a checkpoint whose weights failed aside (checkpoints/abandoned/), `latest` to the one
-    before it; returns the line that says so."""
-    aside = os.path.join(root, "abandoned", os.path.basename(path))
-    shutil.rmtree(aside, ignore_errors=True)
-    os.makedirs(os.path.dirname(aside), exist_ok=True)
-    os.rename(path, aside)
-    older = sorted((d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()), key=lambda d: int(d[5:]))
-    if older:
-        point_latest(root, older[-1])
-    else:
-        os.remove(os.path.join(root, "latest"))
-    return f"it is moved to {aside}" + (f"; a re-run resumes {os.path.join(root, older[-1])}" if older else "")
-
-
-def nbytes(obj):
-    """Bytes of the tensors in a (nested) state dict: about what its checkpoint file takes."""
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    values = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    return sum(nbytes(v) for v in values)
-
-
-def weights_checksum(state_dict):
-    digest = hashlib.sha256()
-    for tensor in state_dict.values():
-        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def rng_states(device):
-    """This rank's torch RNG states, which dropout draws from (nothing draws from Python's or
-    NumPy's global RNG: the stream's masking and shuffling have generators of their own)."""
-    return {"torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def set_rng_states(states, device):
-    torch.set_rng_state(states["torch"])
-    if device.type == "cuda" and states["cuda"] is not None:
-        torch.cuda.set_rng_state(states["cuda"], device)
-
-
-def export_hf(hf_model, tokenizer, out_dir):
-    """A Hugging Face folder (safetensors + tokenizer), written aside and renamed into place. Returns
-    None, or the one line saying why it could not be written (a full disk: the old folder stays)."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
-
-    def write(folder):
-        hf_model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
-    final = os.path.join(out_dir, "hf")
-    return data_stream.try_write(lambda: replace_folder(final, write), f"the Hugging Face export {final}", out_dir,
-                                 nbytes(hf_model.state_dict()))
-
-
-def replace_folder(final, write):
-    """write(folder) into a temporary folder beside final, then put in its place: never a half-written
-    folder (for an instant, none: a checkpoint's save has its own steps for that)."""
-    tmp = os.path.join(os.path.dirname(final), ".tmp-" + os.path.basename(final))
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-    except BaseException:  # e.g. a full disk: the old folder stays, no half-written one
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-
-
-# ----------------------------------------------------------------------------- meter and logging
-
-STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out (workers, first batches, compile)
+# ----------------------------------------------------------------------------- what the run says: lines, report, sinks
 
 
 def new_meter(device, amp_dtype, progress):
-    """What logs and report measure: the interval since the last log; for the steady rates the training
-    clock (without eval, saves and exports: "paused") at marks after 1 and STEADY_AFTER steps."""
-    return {"interval": new_interval(), "peak": peak_flops(device, amp_dtype), "t_start": time.perf_counter(),
-            "start": (progress["step"], progress["tokens_seen"], progress["flops_done"]), "marks": {},
-            "paused": 0.0, "data_wait": 0.0, "computed": 0, "train_base": progress["train_seconds"],
-            # skipped steps (non-finite gradients): in all, in a row now, the most in a row since the last check
-            "skips": torch.zeros(3, device=device)}
-
-
-def new_interval():
-    return {"sums": None, "samples": 0, "tokens": 0, "flops": 0.0, "wait": 0.0,
-            "t0": time.perf_counter(), "lr": None}  # count_step sets it
-
-
-def count_step(meter, progress, sums, skipped, lr, totals):
-    """Count a step done: totals are its global (masked, samples, tokens, flops, positions computed);
-    sums its loss sums."""
-    masked, samples, tokens, flops, computed = totals
-    meter["computed"] += computed
-    skips = meter["skips"]  # on the device: read at log steps
-    skips[0] += skipped
-    skips[1] = (skips[1] + skipped) * skipped
-    skips[2] = torch.maximum(skips[2], skips[1])
-    progress["step"] += 1
-    progress["samples_seen"] += samples
-    progress["tokens_seen"] += tokens
-    progress["flops_done"] += flops
-    progress["train_seconds"] = meter["train_base"] + time.perf_counter() - meter["t_start"]
-    interval = meter["interval"]
-    # the loss sums and counts of the steps applied, on the device (a skipped step's loss may be NaN)
-    sums = torch.where(skipped > 0, 0.0, torch.cat([sums, torch.stack([skipped * 0 + masked, skipped * 0 + samples])]))
-    interval["sums"] = sums if interval["sums"] is None else interval["sums"] + sums
-    for key, value in (("samples", samples), ("tokens", tokens), ("flops", flops)):
-        interval[key] += value
-    interval["lr"] = lr
+    start = Mark(time.perf_counter(), progress.step, progress.tokens_seen, progress.flops_done)
+    zero = torch.zeros((), device=device)
+    return Meter(peak=peak_flops(device, amp_dtype), start=start, train_base=progress.train_seconds,
+                 skipped=zero.clone(), skipped_in_a_row=zero.clone(), most_in_a_row=zero.clone())
 
 
 def rates(seconds, steps, tokens, flops, peak, world_size):
@@ -1430,185 +1317,103 @@ def rates(seconds, steps, tokens, flops, peak, world_size):
             "mfu": flops / seconds / (peak * world_size) if peak else None}
 
 
-def log_interval(log, meter, progress, grad_norm, scaler, objective):
-    """Log the scalars of the steps since the last call; returns the train loss over them (the steps
-    skipped for an inf/NaN gradient left out)."""
-    interval, world_size, skips = meter["interval"], GROUP["world_size"], meter["skips"]
-    loss_sums = torch.cat([interval["sums"], skips[:1]]).double()
-    if world_size > 1:
-        dist.all_reduce(loss_sums)  # the loss of all ranks, not rank 0's: one sync per log
-    mlm_loss, _, nsp_loss, _, masked, samples, skipped = loss_sums.tolist()
-    masked, samples = masked / world_size, samples / world_size  # the global counts, on every rank
-    elapsed = time.perf_counter() - interval["t0"]
-    speed = rates(elapsed, 0, interval["tokens"], interval["flops"], meter["peak"], world_size)
-    mlm_loss = mlm_loss / masked if masked else float("nan")  # nan: every step of the interval was skipped
-    nsp_loss = nsp_loss / samples if samples else float("nan")
-    scalars = {"train/loss": mlm_loss + nsp_loss, "train/mlm_loss": mlm_loss, "train/lr": interval["lr"],
-               "train/grad_norm": float(grad_norm), "train/tokens_per_sec": speed["tokens_per_sec"],
-               "train/samples_per_sec": interval["samples"] / elapsed,
-               "train/data_wait": interval["wait"] / elapsed, "train/epoch": progress["epoch"]}
-    if objective == "nsp":
-        scalars["train/nsp_loss"] = nsp_loss
-    if scaler.is_enabled():
-        scalars["train/loss_scale"] = scaler.get_scale()
-    if skipped:
-        scalars["train/skipped_steps"] = skipped / world_size  # this run's, in all
-    if speed["mfu"] is not None:
-        scalars["train/mfu"] = speed["mfu"]
-    log(scalars, progress["step"])
-    meter["interval"] = new_interval()
-    return mlm_loss + nsp_loss
-
-
-def run_eval(raw_model, eval_loader, amp_ctx, args, log, step):
-    metrics = evaluate(raw_model, eval_loader, next(raw_model.parameters()).device, amp_ctx,
-                       GROUP["world_size"], args.objective == "nsp")
-    log(metrics, step)
-    return metrics
-
-
-def announce(args, run, raw_model, device, progress):
+def announce(args, run, plan, raw_model, device, progress):
     """Rank 0's first lines: the config, the model, the plan, where the weights came from."""
-    config, plan, estimate = run["config"], run["plan"], run["estimate"]
+    config, estimate = run.config, run.estimate
     n_params = sum(p.numel() for p in raw_model.parameters())
     say(f"config: {json.dumps(config)}")
     say(f"model: BERT-{config['model_size']} {args.objective}, {n_params / 1e6:.2f}M parameters; world size "
         f"{config['world_size']} on {device.type}; effective batch {config['effective_batch']} "
         f"({args.batch_size} x {config['world_size']} ranks x {args.accum_steps} accum)")
-    say(f"planned {plan['total']:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps for "
-        f"{estimate['epochs']} epoch(s)" + (f", capped by --max-steps {args.max_steps})" if args.max_steps else ")")
-        + f"; {plan.get('schedule', 'linear')} LR, warmup {plan['warmup']} steps, decay from "
-        f"{plan['decay_from'][0]:.0f}")
-    if run["path"] and plan.get("budget"):
-        announce_budget(run)
-    if run["path"]:
-        say(f"resumed from {run['path']} at step {progress['step']}, epoch {progress['epoch']}")
-    elif run["init"]:
-        say(f"initialised from {run['init']['folder']} (weights only: new optimizer and LR plan, step 0)")
+    capped = f", capped by --max-steps {args.max_steps})" if args.max_steps else ")"
+    say(f"planned {plan.total:.0f} steps (estimate, {estimate['mode']}: {estimate['total_steps']} steps for "
+        f"{estimate['epochs']} epoch(s){capped}; {plan.schedule} LR, warmup {plan.warmup} steps, decay from "
+        f"{plan.decay_from[0]:.0f}")
+    if run.resume_path and plan.budget:
+        announce_budget(plan)
+    if run.resume_path:
+        say(f"resumed from {run.resume_path} at step {progress.step}, epoch {progress.epoch}")
+    elif run.init:
+        say(f"initialised from {run.init['folder']} (weights only: new optimizer and LR plan, step 0)")
 
 
-def announce_budget(run):
-    plan = run["plan"]
-    budget, epochs = plan["budget"], plan["total"] / max(plan["steps_per_epoch"], 1)
-    say(f"--budget {estimate_steps.hours(budget['seconds'])}: a step takes {budget['train_step_s']:.3g} s here, "
-        f"{budget['step_s']:.3g} s with eval, checkpoints and exports by their share; the calibration took "
-        f"{budget['calibration_s']:.1f} s: planned {plan['total']:,} steps ({epochs:.2f} epochs), LR decay from step "
-        f"{plan['decay_from'][0]:.0f}" + ("" if budget["limit"] == "budget" else f"; {budget['steps_fit']:,} steps "
-                                          "would fit: the data of --epochs / --max-steps ends the run first"))
+def announce_budget(plan):
+    budget = plan.budget
+    epochs = plan.total / max(plan.steps_per_epoch, 1)
+    limit = "" if budget.limit == "budget" else (f"; {budget.steps_fit:,} steps would fit: the data of --epochs / "
+                                                 "--max-steps ends the run first")
+    say(f"--budget {estimate_steps.hours(budget.seconds)}: a step takes {budget.train_step_s:.3g} s here, "
+        f"{budget.step_s:.3g} s with eval, checkpoints and exports by their share; the calibration took "
+        f"{budget.calibration_s:.1f} s: planned {plan.total:,} steps ({epochs:.2f} epochs), LR decay from step "
+        f"{plan.decay_from[0]:.0f}{limit}")
 
 
-def mark(meter, progress, device, run):
-    """The steady rates' marks after 1 and STEADY_AFTER steps of this run. At the second, a --budget run
-    says where its plan lands at this machine's speed (a resume on slower hardware keeps its plan)."""
-    done, budget, plan = progress["step"] - meter["start"][0], run["plan"].get("budget"), run["plan"]
-    if done in (1, STEADY_AFTER):
-        meter["marks"][done] = (clock(device) - meter["paused"], progress["step"], progress["tokens_seen"],
-                                progress["flops_done"])
-    if done == STEADY_AFTER and budget and GROUP["rank"] == 0:
-        step_s = (meter["marks"][done][0] - meter["marks"][1][0]) / (done - 1) + budget["step_s"] - budget[
-            "train_step_s"]
-        left = (plan["total"] - run["plan_pos"]) * plan["batch"] / run["config"]["effective_batch"]
-        ends = progress["train_seconds"] + left * step_s
-        say(f"--budget: {left:,.0f} steps left at {step_s:.3g} s a step here (planned at {budget['step_s']:.3g} s): "
-            f"training ends after {estimate_steps.hours(ends)}, {ends / budget['seconds'] - 1:+.1%} off the budget")
-
-
-def report(args, run, progress, meter, end, train_loss, eval_metrics, stopped, scaler):
-    """Rank 0's end-of-run lines and summary.json."""
-    step, tokens_seen, flops_done = progress["step"], progress["tokens_seen"], progress["flops_done"]
-    start, peak, world_size, plan = meter["start"], meter["peak"], GROUP["world_size"], run["plan"]
-    elapsed, train_clock = end - meter["t_start"], end - meter["paused"]
-    total_steps, effective = round(plan["total"]), run["config"]["effective_batch"]
-    overall = rates(elapsed, step - start[0], tokens_seen - start[1], flops_done - start[2], peak, world_size)
+def report(args, run, plan, progress, meter, end, train_loss, eval_metrics, stopped, trainer):
+    """Rank 0's end-of-run lines and summary.json. Returns None, or the line saying why it was not written."""
+    world_size = GROUP.world_size
+    start = meter.start
+    elapsed = end - start.clock
+    train_clock = end - meter.paused
+    total_steps = round(plan.total)
+    effective = run.config["effective_batch"]
+    overall = rates(elapsed, progress.step - start.step, progress.tokens_seen - start.tokens,
+                    progress.flops_done - start.flops, meter.peak, world_size)
     # Steady: after STEADY_AFTER steps (1 in a run under 2 x STEADY_AFTER), without eval, saves and exports
-    mark = meter["marks"].get(STEADY_AFTER if step - start[0] >= 2 * STEADY_AFTER else 1)
-    steady = rates(train_clock - mark[0], step - mark[1], tokens_seen - mark[2], flops_done - mark[3], peak,
-                   world_size) if mark and step > mark[1] else overall
+    mark = meter.marks.get(STEADY_AFTER if progress.step - start.step >= 2 * STEADY_AFTER else 1)
+    steady = overall
+    if mark and progress.step > mark.step:
+        steady = rates(train_clock - mark.clock, progress.step - mark.step, progress.tokens_seen - mark.tokens,
+                       progress.flops_done - mark.flops, meter.peak, world_size)
     eta_h = total_steps / steady["steps_per_hour"] if steady["steps_per_hour"] else float("nan")
-    wait_share = meter["data_wait"] / max(train_clock - meter["t_start"], 1e-9)
-    padding = 1 - (tokens_seen - start[1]) / max(meter["computed"], 1)
+    wait_share = meter.data_wait / max(train_clock - start.clock, 1e-9)
+    padding = 1 - (progress.tokens_seen - start.tokens) / max(meter.computed, 1)
+    packed = " (pairs packed into rows)" if args.objective == "nsp" and args.packing else ""
     print(f"per-rank batch {args.batch_size} x {world_size} ranks, accumulation {args.accum_steps}, "
           f"effective batch {effective}, max seq len {args.max_seq_len}; padding {padding:.1%} of the positions "
-          "computed" + (" (pairs packed into rows)" if args.objective == "nsp" and args.packing else ""))
-    print(f"iterations {step - start[0]}, time taken {elapsed:.1f} s; steady rates "
-          + (f"from step {mark[1]} on" if steady is not overall else "(too few steps: the overall ones)")
-          + f", without eval and saves: micro-batches/hour {steady['steps_per_hour'] * args.accum_steps:,.0f} "
-          f"=> effective batches/hour {steady['steps_per_hour']:,.0f}")
+          f"computed{packed}")
+    since = f"from step {mark.step} on" if steady is not overall else "(too few steps: the overall ones)"
+    print(f"iterations {progress.step - start.step}, time taken {elapsed:.1f} s; steady rates {since}, without "
+          f"eval and saves: micro-batches/hour {steady['steps_per_hour'] * args.accum_steps:,.0f} => effective "
+          f"batches/hour {steady['steps_per_hour']:,.0f}")
     mfu = f"{steady['mfu']:.1%}" if steady["mfu"] is not None else "n/a"
-    print(f"ran {step} steps (planned {total_steps}); estimated total time for the planned steps: "
+    print(f"ran {progress.step} steps (planned {total_steps}); estimated total time for the planned steps: "
           f"{eta_h:.2f} h; {steady['tokens_per_sec']:,.0f} tokens/s, MFU {mfu} (both of the real tokens) "
           f"(overall, start-up included: {overall['tokens_per_sec']:,.0f} tokens/s)")
+    bottleneck = "; the data is the bottleneck: more --num-workers, or --build-cache first" if wait_share > 0.1 else ""
     print(f"data wait: {wait_share:.1%} of the training time on rank 0 (DataLoader workers per rank: "
-          f"{args.num_workers}" + ("; the data is the bottleneck: more --num-workers, or --build-cache first)"
-                                   if wait_share > 0.1 else ")"))
-    skips, budget, trained = int(meter["skips"][0]), plan.get("budget"), progress["train_seconds"]
-    if skips or progress["rollbacks"]:
-        print(f"{skips} step(s) skipped for an inf/NaN gradient" + (f" (fp16 overflows: the loss scale is now "
-              f"{scaler.get_scale():g})" if scaler.is_enabled() else "") + f"; rollbacks: {progress['rollbacks']}")
-    if budget:
-        print(f"--budget {estimate_steps.hours(budget['seconds'])}: trained {estimate_steps.hours(trained)} "
-              f"({trained / budget['seconds'] - 1:+.1%}), the calibration included")
-    summary = {"steps": step, "planned_steps": total_steps, "epochs_done": progress["epoch"],
+          f"{args.num_workers}{bottleneck})")
+    skipped = int(meter.skipped)
+    if skipped or progress.rollbacks:
+        fp16 = f" (fp16 overflows: the loss scale is now {trainer.scaler.get_scale():g})" \
+            if trainer.scaler.is_enabled() else ""
+        print(f"{skipped} step(s) skipped for an inf/NaN gradient{fp16}; rollbacks: {progress.rollbacks}")
+    if plan.budget:
+        print(f"--budget {estimate_steps.hours(plan.budget.seconds)}: trained "
+              f"{estimate_steps.hours(progress.train_seconds)} ({progress.train_seconds / plan.budget.seconds - 1:+.1%}"
+              "), the calibration included")
+    summary = {"steps": progress.step, "planned_steps": total_steps, "epochs_done": progress.epoch,
                "train_loss": None if math.isnan(train_loss) else train_loss, "eval": eval_metrics,
-               "samples_seen": progress["samples_seen"], "tokens_seen": tokens_seen,
-               **steady, "steady_from_step": mark[1] if steady is not overall else None,
+               "samples_seen": progress.samples_seen, "tokens_seen": progress.tokens_seen,
+               **steady, "steady_from_step": mark.step if steady is not overall else None,
                **{f"{k}_overall": v for k, v in overall.items()}, "data_wait_share": wait_share,
                "padding_share": padding, "world_size": world_size, "effective_batch": effective, "time_s": elapsed,
-               "unused_samples_per_epoch": progress["unused_per_epoch"], "stopped_by_signal": stopped,
-               "skipped_steps": skips, "rollbacks": progress["rollbacks"],
-               "train_seconds": trained, "budget": budget, "estimate": run["estimate"],
-               "lr_plan": plan, "lr_plan_position": run["plan_pos"]}
-    path = os.path.join(run["out_dir"], "summary.json")
-    return data_stream.try_write(lambda: data_stream.atomic_write(path, lambda f: json.dump(summary, f, indent=1), "w"),
-                                 path, run["out_dir"])
+               "unused_samples_per_epoch": progress.unused_per_epoch, "stopped_by_signal": stopped,
+               "skipped_steps": skipped, "rollbacks": progress.rollbacks, "train_seconds": progress.train_seconds,
+               "budget": plan.budget and dataclasses.asdict(plan.budget), "estimate": run.estimate,
+               "lr_plan": dataclasses.asdict(plan), "lr_plan_position": progress.plan_pos}
+    path = os.path.join(run.out_dir, "summary.json")
 
-
-def say(line):
-    print(line, flush=True)
-
-
-def warn(line):
-    print(line, file=sys.stderr, flush=True)
-
-
-class Logger:
-    """logger(scalars, step) writes to each sink of --log-to; close() at the end. runs: the
-    experiment trackers' run ids (trackers.py), kept in the checkpoints: given the resumed
-    checkpoint's, each tracker continues its run; one that fails is dropped with one warning line."""
-
-    def __init__(self, log_to, out_dir, config, runs):
-        self.stdout, self.writer, self.trackers, self.runs = "stdout" in log_to, None, None, dict(runs)
-        if "tensorboard" in log_to:
-            from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(out_dir)
-            self.writer.add_text("config", json.dumps(config, indent=1))
-        if {"mlflow", "wandb"} & set(log_to):
-            import trackers  # only here: the core runs without the trackers' packages
-            self.trackers = trackers.Trackers([n for n in log_to if n in trackers.STARTS], out_dir, config, self.runs,
-                                              say, warn)
-
-    def __call__(self, scalars, step):
-        if self.stdout:
-            say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in scalars.items()))
-        if self.writer is not None:
-            for k, v in scalars.items():
-                self.writer.add_scalar(k, v, step)
-        if self.trackers:
-            self.trackers(scalars, step)
-
-    def close(self):
-        if self.writer is not None:
-            self.writer.close()
-        if self.trackers:
-            self.trackers.close()
+    def write(f):
+        json.dump(summary, f, indent=1)
+    return data_stream.try_write(lambda: data_stream.atomic_write(path, write, "w"), path, run.out_dir)
 
 
 # ----------------------------------------------------------------------------- data loading
 
+
 def make_stream(args, corpus, split, tokenizer, seed, shuffle):
-    return data_stream.stream_from_args(args, corpus, split, tokenizer, seed, shuffle, GROUP["rank"],
-                                        GROUP["world_size"])
+    return data_stream.stream_from_args(args, corpus, split, tokenizer, seed, shuffle, GROUP.rank,
+                                        GROUP.world_size)
 
 
 def make_loader(stream, num_workers, device, timeout_s, persistent=False):
@@ -1623,34 +1428,7 @@ def start_epoch(stream, epoch, resume_data, num_workers):
         stream.set_epoch(epoch)
 
 
-def next_window(batches, args, device, hf_config, meter):
-    """Up to --accum-steps micro-batches on the device: ([(batch, samples)], their cursors, this rank's
-    [masked, samples, tokens, flops, positions computed]); the time waited goes to the meter."""
-    t_wait = time.perf_counter()
-    window, cursors, totals = [], [], [0, 0, 0, 0.0, 0]
-    for raw in batches:
-        cursors.append(raw.pop("cursor"))
-        batch, counts = prepare(raw, device, dynamic=args.compile)
-        window.append((batch, counts["num_samples"]))
-        for i, value in enumerate((counts["num_masked"], counts["num_samples"], counts["num_tokens"],
-                                   train_flops(hf_config, counts), counts["num_computed"])):
-            totals[i] += value
-        if len(window) == args.accum_steps:
-            break
-    waited = time.perf_counter() - t_wait
-    meter["interval"]["wait"] += waited
-    meter["data_wait"] += waited
-    return window, cursors, totals
-
-
-def end_epoch(progress, window, batches):
-    """Collective: the epoch ended for all ranks at the same step; count what each rank had to leave."""
-    left = sum(samples for _, samples in window) + sum(b["num_samples"] for b in batches)
-    progress["unused_per_epoch"].append([unused for _, unused in gather(left)])
-    if GROUP["rank"] == 0:
-        say(f"epoch {progress['epoch']} ended at step {progress['step']}; samples left unused per rank: "
-            f"{progress['unused_per_epoch'][-1]}")
-    progress["epoch"] += 1
+# ----------------------------------------------------------------------------- the process's ends
 
 
 def exit_now(code):
@@ -1660,6 +1438,16 @@ def exit_now(code):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def release_frames(error):
+    """main()'s frames, kept by the error that left them, go now, and with them their DataLoaders: the
+    workers end, and the semaphores of their queues are unlinked (exit_now skips the finalizers that would:
+    multiprocessing's resource_tracker then warns of "leaked semaphore objects" after our one line). A
+    frame can also be held in a reference cycle (an exception kept in a local of a frame it passed
+    through: try_write's), which only the collector frees."""
+    error.__traceback__ = None
+    gc.collect()
 
 
 def die_with_launcher():
@@ -1677,16 +1465,6 @@ def die_with_launcher():
         exit_now(1)
 
 
-def release_frames(error):
-    """main()'s frames, kept by the error that left them, go now, and with them their DataLoaders: the
-    workers end, and the semaphores of their queues are unlinked (exit_now skips the finalizers that would:
-    multiprocessing's resource_tracker then warns of "leaked semaphore objects" after our one line). A
-    frame can also be held in a reference cycle (an exception kept in a local of a frame it passed
-    through: try_write's), which only the collector frees."""
-    error.__traceback__ = None
-    gc.collect()
-
-
 def cli(argv=None):
     """main() with its ends: each kind of failure in one line, a process that ends without teardown."""
     die_with_launcher()
@@ -1694,7 +1472,7 @@ def cli(argv=None):
     try:
         main(argv)
     except USER_ERRORS as e:  # found before the ranks could agree (in the flags): each node says it once
-        if GROUP["store"] is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if GROUP.store is not None or int(os.environ.get("LOCAL_RANK", "0")) == 0:
             say_error(str(e))
         release_frames(e)
         exit_now(2)

@@ -1,11 +1,14 @@
 """
-The experiment trackers of pretrain_ddp.py's --log-to: MLflow and Weights & Biases.
+Where pretrain_ddp.py's scalars go, --log-to: stdout, TensorBoard, and the experiment trackers MLflow and
+Weights & Biases.
 
-A leaf: imported only when --log-to names one of them, it imports nothing of the training scripts.
-Each start_* returns (log(scalars, step), finish(), run id); given the resumed checkpoint's run id
-it continues that run. `say` prints a line of the trainer's (stdout), `warn` one on stderr.
+A leaf: it imports nothing of the training scripts, and TensorBoard's writer, mlflow and wandb only when --log-to
+names them (the core runs without the trackers' packages). Each start_* returns (log(scalars, step), finish(),
+run id); given the resumed checkpoint's run id a tracker continues that run. `say` prints a line of the
+trainer's (stdout), `warn` one on stderr.
 """
 
+import json
 import os
 
 
@@ -14,8 +17,28 @@ def failed_line(name, error):
     message = str(error).strip().splitlines()[0].rstrip(".") if str(error).strip() else type(error).__name__
     if len(message) > 300:  # a client's wrapped errors: what was tried comes first, the cause last
         message = f"{message[:140]} ... {message[-140:]}"
-    fix = {"mlflow": "check MLFLOW_TRACKING_URI", "wandb": "wandb login, or WANDB_MODE=offline"}[name]
-    return f"warning: --log-to {name}: {message}; training goes on without {name} ({fix}, or drop it from --log-to)"
+    fix = {"mlflow": "check MLFLOW_TRACKING_URI", "wandb": "wandb login, or WANDB_MODE=offline"}.get(name, "")
+    fix = f"{fix}, or " if fix else ""
+    return f"warning: --log-to {name}: {message}; training goes on without {name} ({fix}drop it from --log-to)"
+
+
+def start_stdout(out_dir, config, run_id, say, warn):
+    def log(scalars, step):
+        say(f"step {step}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in scalars.items()))
+    return log, lambda: None, None
+
+
+def start_tensorboard(out_dir, config, run_id, say, warn):
+    """Event files in the out dir: `tensorboard --logdir runs` shows every run (a resume appends)."""
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(out_dir)
+    writer.add_text("config", json.dumps(config, indent=1))
+
+    def log(scalars, step):
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, step)
+    return log, writer.close, None
 
 
 def start_mlflow(out_dir, config, run_id, say, warn):
@@ -75,22 +98,28 @@ def start_wandb(out_dir, config, run_id, say, warn):
     return (lambda s, step: run.log({**s, "step": step})), run.finish, run.id
 
 
-STARTS = {"mlflow": start_mlflow, "wandb": start_wandb}
+STARTS = {"stdout": start_stdout, "tensorboard": start_tensorboard, "mlflow": start_mlflow, "wandb": start_wandb}
 
 
-class Trackers:
-    """The trackers named (keys of STARTS): trackers(scalars, step) logs to each, close() ends them. runs:
-    {name: run id}, filled in place (the trainer keeps it in its checkpoints). A tracker that fails (no
-    server, no login, a server gone mid-run) is dropped with one warning line: training goes on."""
+class Logger:
+    """The sinks named (keys of STARTS): log(scalars, step) writes to each, close() ends them. runs: the
+    trackers' {name: run id}, kept in the trainer's checkpoints: given the resumed checkpoint's, each tracker
+    continues its run. A sink that fails (no server, no login, a server gone mid-run) is dropped with one
+    warning line: training goes on."""
 
     def __init__(self, names, out_dir, config, runs, say, warn):
-        self.live, self.warn = {}, warn
+        self.live = {}
+        self.warn = warn
+        self.runs = dict(runs)
         for name in names:
             try:
-                write, finish, runs[name] = STARTS[name](out_dir, config, runs.get(name), say, warn)
-                self.live[name] = (write, finish)
+                write, finish, run_id = STARTS[name](out_dir, config, self.runs.get(name), say, warn)
             except Exception as e:  # whatever the tracker's client raises: it must not end the training
                 warn(failed_line(name, e))
+                continue
+            self.live[name] = (write, finish)
+            if run_id is not None:
+                self.runs[name] = run_id
 
     def __call__(self, scalars, step):
         for name, (write, _) in list(self.live.items()):

@@ -41,8 +41,8 @@ def run(model, world_size, windows_of_step, clip):
         g_masked = sum(int((b["labels"] != -100).sum()) for b in everything)
         g_samples = sum(len(b["input_ids"]) for b in everything)
         window = [M.prepare(M.sparse_targets(dict(b)), torch.device("cpu"))[0] for b in windows_of_step(everything)]
-        P.train_step(model, opt, scaler, window, g_masked, g_samples, world_size,
-                     contextlib.nullcontext(), clip=clip, lr=0.5)
+        trainer = P.Trainer(model, model, opt, scaler, contextlib.nullcontext())
+        P.train_step(trainer, window, g_masked, g_samples, world_size, clip=clip, lr=0.5)
 
 
 dist.init_process_group("gloo")

@@ -51,7 +51,7 @@ def tokenizer(corpus):
 def release_out_dir_locks():
     """A test that runs pretrain_ddp's plan_run or main() in this process holds its out dir's lock (a
     process holds it for its life): drop it, so that runs started after it can use the out dir."""
-    locks = getattr(sys.modules.get("pretrain_ddp"), "OUT_DIR_LOCK", {})
+    locks = getattr(sys.modules.get("checkpoints"), "OUT_DIR_LOCK", {})
     for f in locks.values():
         f.close()
     locks.clear()

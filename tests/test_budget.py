@@ -28,8 +28,8 @@ def test_schedules_cosine_and_wsd_and_their_extensions():
         Flags.schedule = schedule
         plan = P.plan_of(Flags, 100, 50.0, 64)
         curves[schedule] = [P.lr_factor(plan, pos) for pos in range(101)]
-        assert plan["warmup"] == estimate_steps.warmup_steps(0.1, 100) == 10
-        assert plan["decay_from"][0] == estimate_steps.decay_start(schedule, 0.2, 10, 100)
+        assert plan.warmup == estimate_steps.warmup_steps(0.1, 100) == 10
+        assert plan.decay_from[0] == estimate_steps.decay_start(schedule, 0.2, 10, 100)
         assert curves[schedule][0] == 0.1 and curves[schedule][9] == 1.0 and curves[schedule][100] == 0.0
         assert all(a >= b for a, b in zip(curves[schedule][9:], curves[schedule][10:], strict=False))
     assert curves["linear"][55] == pytest.approx(0.5) and curves["cosine"][55] == pytest.approx(0.5)
@@ -39,7 +39,7 @@ def test_schedules_cosine_and_wsd_and_their_extensions():
     plan = P.plan_of(Flags, 100, 50.0, 64)
     Flags.epochs = 4  # at position 60, stable: the new end is 200, the decay its last 20%
     longer = P.replan(plan, 60, 60, Flags, 64)
-    assert longer["total"] == 200 and longer["decay_from"] == [160, 1.0]
+    assert longer.total == 200 and longer.decay_from == (160, 1.0)
     assert [P.lr_factor(longer, pos) for pos in (60, 159, 180, 200)] == [1.0, 1.0, pytest.approx(0.5), 0.0]
     decaying = P.replan(plan, 90, 90, Flags, 64)  # at position 90, decaying: from today's LR to the new end
     assert P.lr_factor(decaying, 90) == pytest.approx(P.lr_factor(plan, 90)) and P.lr_factor(decaying, 200) == 0
@@ -86,7 +86,7 @@ def test_a_budget_run_ends_on_its_budget_and_resumes_bitwise(tmp_path, corpus, t
     s = summary(out)
     budget, plan = s["budget"], s["lr_plan"]
     assert s["steps"] == plan["total"] == budget["steps_fit"] and s["lr_plan_position"] == plan["total"]
-    assert P.lr_factor(plan, s["lr_plan_position"]) == 0 and budget["limit"] == "budget"
+    assert P.lr_factor(P.LRPlan.from_dict(plan), s["lr_plan_position"]) == 0 and budget["limit"] == "budget"
     speed_moved = abs(3600 / s["steps_per_hour"] / budget["train_step_s"] - 1)
     assert abs(s["train_seconds"] / 20 - 1) <= 0.10 + speed_moved, (s["train_seconds"], budget, speed_moved)
     assert re.search(r"^--budget 0h00m20s: a step takes [\d.]+ s here, [\d.]+ s with eval, checkpoints and exports "

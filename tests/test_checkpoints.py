@@ -23,6 +23,7 @@ import torch
 from conftest import ROOT, release_out_dir_locks
 from test_pretrain_ddp import SCRIPT, env, summary
 
+import checkpoints
 import model as M
 import pretrain_ddp as P
 
@@ -235,7 +236,7 @@ def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
                             # the finished run's LR is 0: more steps would not train; the error says what to do
                             (["--max-steps", "12"], ["its LR had decayed to 0", f"--init-from {out}"])):
         with pytest.raises(P.UserError) as error:
-            P.plan_run(P.parse_args([*base[2:], *extra]), 1, torch.device("cpu"), None, {})
+            P.plan_run(P.parse_args([*base[2:], *extra]), torch.device("cpu"), None, P.Rank0Only())
         assert all(m in str(error.value) for m in messages) and "\n" not in str(error.value), (extra, error.value)
     release_out_dir_locks()  # this process planned in the out dir: the runs below are other processes
     # Another world size, from step 8 (LR not yet 0): a warning, then the rest of the run.
@@ -262,7 +263,7 @@ def test_loading_never_executes_pickled_code(tmp_path, monkeypatch):
         (ckpt / name).write_bytes(pickle.dumps({"model": Exploit()}))
     digests = {n: hashlib.sha256((ckpt / n).read_bytes()).hexdigest() for n in ("trainer.pt", "ranks.pt")}
     (ckpt / "manifest.json").write_text(json.dumps({"meta": {}, "sha256": digests}))
-    loaded, problem = P.read_checkpoint(str(ckpt))
+    loaded, problem = checkpoints.read_checkpoint(str(ckpt))
     assert loaded is None and problem and not pwned.exists()
     for path in glob.glob(os.path.join(ROOT, "*.py")):  # and no other load path exists
         for line in open(path):
@@ -389,7 +390,7 @@ def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, 
     with open(text, "a") as f:
         f.write("\na new document .\nwith two sentences .\n")
     with pytest.raises(P.UserError) as error:  # where rank 0 plans the run; __main__: one line, exit code 2
-        P.plan_run(P.parse_args(base[2:]), 1, torch.device("cpu"), None, {})
+        P.plan_run(P.parse_args(base[2:]), torch.device("cpu"), None, P.Rank0Only())
     assert "the corpus changed" in str(error.value) and "--allow-corpus-change" in str(error.value), error.value
     release_out_dir_locks()
     rc, stdout, err = run_until([*base, "--allow-corpus-change"])
@@ -404,7 +405,8 @@ class Crash(Exception):
 
 def crash_on_call(monkeypatch, k):
     """Make the k-th file-system step of a save raise Crash; a crashing _write leaves half its file."""
-    real_write, real_rename, real_rmtree, real_fsync = P._write, os.rename, shutil.rmtree, P._fsync_dir
+    real_write, real_rename, real_rmtree, real_fsync = checkpoints._write, os.rename, shutil.rmtree, \
+        checkpoints._fsync_dir
     real_replace = os.replace
     calls = []
 
@@ -419,11 +421,11 @@ def crash_on_call(monkeypatch, k):
             raise Crash
         return real(*a, **kw)
 
-    monkeypatch.setattr(P, "_write", lambda *a: hook(real_write, *a, half=True))
+    monkeypatch.setattr(checkpoints, "_write", lambda *a: hook(real_write, *a, half=True))
     monkeypatch.setattr(os, "rename", lambda *a: hook(real_rename, *a))
     monkeypatch.setattr(os, "replace", lambda *a: hook(real_replace, *a))  # the latest pointer's atomic_write
     monkeypatch.setattr(shutil, "rmtree", lambda *a, **kw: hook(real_rmtree, *a, **kw))
-    monkeypatch.setattr(P, "_fsync_dir", lambda *a: hook(real_fsync, *a))
+    monkeypatch.setattr(checkpoints, "_fsync_dir", lambda *a: hook(real_fsync, *a))
 
 
 def test_a_save_that_dies_midway_never_costs_a_complete_checkpoint(tmp_path, monkeypatch):
@@ -438,35 +440,51 @@ def test_a_save_that_dies_midway_never_costs_a_complete_checkpoint(tmp_path, mon
         """{step: the value its files hold} for every complete checkpoint."""
         found = {}
         for d in os.listdir(root):
-            loaded, _ = P.read_checkpoint(os.path.join(root, d))
+            loaded, _ = checkpoints.read_checkpoint(os.path.join(root, d))
             if d.startswith("step_") and loaded is not None:
                 assert torch.equal(loaded["trainer.pt"]["w"], torch.full((256,), loaded["meta"]["value"]))
                 found[int(d[5:])] = loaded["meta"]["value"]
         return found
 
-    class Flags:
-        resume, overwrite = "auto", False
-
     pristine = str(tmp_path / "pristine")
-    P.save_checkpoint(pristine, 4, files(4.0), {"step": 4, "value": 4.0}, keep_last=5)
-    P.save_checkpoint(pristine, 8, files(8.0), {"step": 8, "value": 8.0}, keep_last=5)
+    checkpoints.save_checkpoint(pristine, 4, files(4.0), {"step": 4, "value": 4.0}, keep_last=5)
+    checkpoints.save_checkpoint(pristine, 8, files(8.0), {"step": 8, "value": 8.0}, keep_last=5)
     for step, value in ((12, 12.0), (8, 8.5)):  # a new step; the same step again (a resumed run's final save)
         for k in range(1, 100):
             root = str(tmp_path / f"crash_{step}_{k}")
             shutil.copytree(pristine, root)
             crash_on_call(monkeypatch, k)
             try:
-                P.save_checkpoint(root, step, files(value), {"step": step, "value": value}, keep_last=5)
+                checkpoints.save_checkpoint(root, step, files(value), {"step": step, "value": value}, keep_last=5)
                 break  # k is past the save's last step
             except Crash:
                 pass
             finally:
                 monkeypatch.undo()
             saved = complete(root).get(step) == value  # the new one made it to its place
-            path, loaded = P.choose_checkpoint(Flags, root)
+            path, loaded = checkpoints.choose_checkpoint(root, "auto", False)
             assert loaded is not None, (step, k)
             expected = {(step, value)} if saved else {(8, 8.0), (step, value)}
             assert (loaded["meta"]["step"], loaded["meta"]["value"]) in expected, (step, k, path)
             after = complete(root)
             assert after[4] == 4.0 and after.get(8) in (8.0, 8.5), (step, k, after)
         assert k > 8, k  # every write, rename, fsync and delete of the save was a crash point
+
+
+def test_the_meta_of_a_checkpoint_written_before_the_typed_state_reads_back_unchanged():
+    """Checkpoints keep Progress and the LR plan as plain values under the names they always had (issue 44):
+    the meta that the version before wrote (fixture: 9567972's; its checkpoint, resumed by this version, ends
+    bitwise equal to a run never stopped: BENCHMARKS.md section 20) reads into the records and writes back the
+    same, with a --budget plan too."""
+    import dataclasses
+    with open(os.path.join(ROOT, "tests", "fixtures", "checkpoint_meta_9567972.json")) as f:
+        meta = json.load(f)["meta"]
+    progress = P.Progress.from_meta(meta)
+    assert progress.step == 10 and progress.plan_pos == meta["plan_pos"]
+    assert dataclasses.asdict(progress) == {k: meta[k] for k in dataclasses.asdict(progress)}
+    budget = {"seconds": 20.0, "step_s": 0.1, "train_step_s": 0.08, "calibration_s": 3.0, "steps_fit": 170,
+              "limit": "budget"}
+    for plan in (meta["plan"], {**meta["plan"], "budget": budget}):
+        typed = P.LRPlan.from_dict(plan)
+        assert json.loads(json.dumps(dataclasses.asdict(typed))) == {"budget": None, **plan}
+        assert P.lr_factor(typed, 1) == 1.0 and P.lr_factor(typed, 30) == 0.0  # warmup 2, linear to 0 at 30

@@ -175,7 +175,7 @@ def test_estimated_warmup_is_the_trainers(corpus, tokenizer):
         for warmup in (0.0, 0.01, 0.06, 0.5, 1.0):
             args = P.parse_args(["--batch-size", str(batch_size), "--epochs", str(epochs), "--warmup", str(warmup),
                                  "--num-workers", "0"])
-            plan, _ = P.new_lr_plan(args, stream, 1)
+            plan, _ = P.new_lr_plan(args, stream)
             r = es.estimate(stream, 1, 0, batch_size, 1, epochs, warmup=warmup)
-            assert r["warmup_steps"] == plan["warmup"] and r["total_steps"] == plan["total"], (batch_size, warmup)
-            assert (plan["warmup"] >= 1) == (warmup > 0 and plan["total"] > 0)
+            assert r["warmup_steps"] == plan.warmup and r["total_steps"] == plan.total, (batch_size, warmup)
+            assert (plan.warmup >= 1) == (warmup > 0 and plan.total > 0)

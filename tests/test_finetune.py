@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import ROOT, WORDS
 
+import checkpoints
 import finetune
-import pretrain_ddp as P
 
 SCRIPT = os.path.join(ROOT, "finetune.py")
 OTHERS = [w for w in WORDS if w != "river"]
@@ -374,8 +374,8 @@ def run_dir(tokenizer, tmp_path_factory):
         torch.manual_seed(step)
         model = BertForMaskedLM(config)
         meta = {"step": step, "epoch": 0, "train_seconds": 5.0 * step, "config": {"architecture": architecture}}
-        P.save_checkpoint(os.path.join(out, "checkpoints"), step, {"trainer.pt": {"model": model.state_dict()}},
-                          meta, keep_last=3)
+        checkpoints.save_checkpoint(os.path.join(out, "checkpoints"), step,
+                                    {"trainer.pt": {"model": model.state_dict()}}, meta, keep_last=3)
     tokenizer.save_pretrained(os.path.join(out, "tokenizer"))
     return out
 

@@ -102,7 +102,7 @@ def test_hugging_face_folders_and_what_does_not_fit(tmp_path, corpus, tok_dir, p
              (["--init-from", str(tmp_path)], "is not a checkpoint folder, a run's out dir or a Hugging Face")]
     for extra, message in cases:
         with pytest.raises(P.UserError, match=re.escape(message)):
-            P.plan_run(P.parse_args([*base, *extra]), 1, torch.device("cpu"), None, {})
+            P.plan_run(P.parse_args([*base, *extra]), torch.device("cpu"), None, P.Rank0Only())
 
 
 def test_a_node_without_the_source_gets_it_from_rank_0(tmp_path, corpus, phase1):

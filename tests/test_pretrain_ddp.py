@@ -15,6 +15,7 @@ from conftest import ROOT, write_corpus
 
 import model as M
 import pretrain_ddp as P
+import ranks
 
 SCRIPT = os.path.join(ROOT, "pretrain_ddp.py")
 FAST = ["--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--eval-every", "1000", "--log-to", "stdout"]
@@ -184,7 +185,7 @@ def test_bad_input_is_found_before_training_in_one_line(tmp_path, corpus, tok_di
             args = P.parse_args([*base, *extra])
             P.validate(args)
             P.choose_amp_dtype(args, torch.device("cpu"))
-            P.plan_run(args, 1, torch.device("cpu"), None, {})
+            P.plan_run(args, torch.device("cpu"), None, P.Rank0Only())
         stderr = capsys.readouterr().err
         if error.type is SystemExit:
             assert error.value.code == 2 and len(stderr.strip().splitlines()) == 1, (extra, stderr)
@@ -265,7 +266,7 @@ def test_rank0_preparation_outlasts_the_collective_timeout(tmp_path, corpus):
 
 
 def test_lr_plan_continues_and_never_jumps_up():
-    plan = {"total": 100, "warmup": 10, "batch": 64, "decay_from": [10, 1.0], "steps_per_epoch": 50.0}
+    plan = P.LRPlan(total=100, warmup=10, batch=64, steps_per_epoch=50.0, decay_from=(10, 1.0))
     curve = [P.lr_factor(plan, pos) for pos in range(101)]
     assert curve[0] == 0.1 and curve[9] == 1.0 and curve[10] == 1.0 and curve[55] == 0.5 and curve[100] == 0.0
     at_60 = P.lr_factor(plan, 60)
@@ -277,7 +278,7 @@ def test_lr_plan_continues_and_never_jumps_up():
     for epochs, max_steps, step, batch, total in ((4, None, 60, 64, 200), (2, 70, 55, 128, 90), (2, 65, 60, 64, 65)):
         Flags.epochs, Flags.max_steps = epochs, max_steps
         new = P.replan(plan, 60, step, Flags, batch)
-        assert new["total"] == total
+        assert new.total == total
         after = [P.lr_factor(new, pos) for pos in range(60, 301)]
         assert after[0] == pytest.approx(at_60)  # continues from today's LR...
         assert all(a >= b for a, b in zip(after, after[1:], strict=False)) and after[-1] == 0  # ...to 0, never up
@@ -299,8 +300,8 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
     optimizer = torch.optim.AdamW(model.parameters())
     for init_scale, skipped in ((float("inf"), True), (1.0, False)):  # every gradient x inf overflows
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
-        _, _, overflowed = P.train_step(model, optimizer, scaler, [batch], masked, 4, 1, contextlib.nullcontext(),
-                                        1.0, 1e-3)
+        trainer = P.Trainer(model, model, optimizer, scaler, contextlib.nullcontext())
+        overflowed = P.train_step(trainer, [batch], masked, 4, 1, 1.0, 1e-3).skipped
         assert bool(overflowed) == skipped  # a device tensor: read here, in the loop only at log steps
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert unchanged == skipped
@@ -322,8 +323,8 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
                                                "nsp", 0.0))
             before = [p.detach().clone() for p in model.parameters()]
             scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0, enabled=loss_scale is not None)
-            _, raw_norm, _ = P.train_step(model, torch.optim.SGD(model.parameters()), scaler, [batch], masked, 4, 1,
-                                          contextlib.nullcontext(), clip, 1.0)
+            trainer = P.Trainer(model, model, torch.optim.SGD(model.parameters()), scaler, contextlib.nullcontext())
+            raw_norm = P.train_step(trainer, [batch], masked, 4, 1, clip, 1.0).grad_norm
             applied = sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(model.parameters(), before,
                                                                                  strict=True)) ** 0.5
             found[loss_scale, clip] = float(raw_norm), applied
@@ -472,26 +473,26 @@ def test_resize_resume_keeps_the_lr_plan_across_a_chain(tmp_path, corpus, tok_di
 def test_gpu_peaks_pick_the_most_specific_name_and_the_math_used():
     """L40/L40S are not L4, H100 PCIe is not SXM, fp32 and TF32 have their own peaks, unknown is None."""
     bf16, fp16 = torch.bfloat16, torch.float16
-    assert P.gpu_peak("NVIDIA L4", bf16, False) == 121e12
-    assert P.gpu_peak("NVIDIA L40", bf16, False) == 181e12
-    assert P.gpu_peak("NVIDIA L40S", fp16, False) == 362e12
-    assert P.gpu_peak("NVIDIA H100 PCIe", bf16, False) == 756e12
-    assert P.gpu_peak("NVIDIA H100 80GB HBM3", bf16, False) == 989e12
-    assert P.gpu_peak("NVIDIA A10G", bf16, False) == 70e12
-    assert P.gpu_peak("NVIDIA A100-SXM4-80GB", bf16, False) == 312e12
-    assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, True) == 156e12  # fp32 run, TF32 matmuls
-    assert P.gpu_peak("NVIDIA A100-SXM4-80GB", None, False) == 19.5e12  # fp32 run, full-precision matmuls
-    assert P.gpu_peak("Some Future GPU", bf16, False) is None
+    assert M.gpu_peak("NVIDIA L4", bf16, False) == 121e12
+    assert M.gpu_peak("NVIDIA L40", bf16, False) == 181e12
+    assert M.gpu_peak("NVIDIA L40S", fp16, False) == 362e12
+    assert M.gpu_peak("NVIDIA H100 PCIe", bf16, False) == 756e12
+    assert M.gpu_peak("NVIDIA H100 80GB HBM3", bf16, False) == 989e12
+    assert M.gpu_peak("NVIDIA A10G", bf16, False) == 70e12
+    assert M.gpu_peak("NVIDIA A100-SXM4-80GB", bf16, False) == 312e12
+    assert M.gpu_peak("NVIDIA A100-SXM4-80GB", None, True) == 156e12  # fp32 run, TF32 matmuls
+    assert M.gpu_peak("NVIDIA A100-SXM4-80GB", None, False) == 19.5e12  # fp32 run, full-precision matmuls
+    assert M.gpu_peak("Some Future GPU", bf16, False) is None
     # whole words, the longest key first: an H200 NVL has its own figures, a V100 PCIe its own, and
     # an RTX A1000 is no A100, a T400 no T4
-    assert P.gpu_peak("NVIDIA H200 NVL", bf16, False) == 835e12
-    assert P.gpu_peak("NVIDIA H200", bf16, False) == 989e12
-    assert P.gpu_peak("NVIDIA GB200", bf16, False) == 2500e12
-    assert P.gpu_peak("Tesla V100-PCIE-16GB", fp16, False) == 112e12
-    assert P.gpu_peak("Tesla V100-SXM2-32GB", fp16, False) == 125e12
-    assert P.gpu_peak("Tesla T4", fp16, False) == 65e12
-    assert P.gpu_peak("NVIDIA RTX A1000", bf16, False) is None
-    assert P.gpu_peak("NVIDIA T400 4GB", fp16, False) is None
+    assert M.gpu_peak("NVIDIA H200 NVL", bf16, False) == 835e12
+    assert M.gpu_peak("NVIDIA H200", bf16, False) == 989e12
+    assert M.gpu_peak("NVIDIA GB200", bf16, False) == 2500e12
+    assert M.gpu_peak("Tesla V100-PCIE-16GB", fp16, False) == 112e12
+    assert M.gpu_peak("Tesla V100-SXM2-32GB", fp16, False) == 125e12
+    assert M.gpu_peak("Tesla T4", fp16, False) == 65e12
+    assert M.gpu_peak("NVIDIA RTX A1000", bf16, False) is None
+    assert M.gpu_peak("NVIDIA T400 4GB", fp16, False) is None
 
 
 def test_cpu_peak_is_timed_once_per_machine_and_thread_count(tmp_path, monkeypatch):
@@ -500,7 +501,7 @@ def test_cpu_peak_is_timed_once_per_machine_and_thread_count(tmp_path, monkeypat
     cpu = torch.device("cpu")
     first = P.peak_flops(cpu, None)
     with open(tmp_path / "cpu_peak.json") as f:
-        assert json.load(f) == {f"{P.HOST} {torch.get_num_threads()} threads": first} and first > 1e9
+        assert json.load(f) == {f"{ranks.HOST} {torch.get_num_threads()} threads": first} and first > 1e9
     monkeypatch.setattr(torch, "mm", None)  # a second timing would fail
     assert P.peak_flops(cpu, None) == first
     threads = torch.get_num_threads()
