@@ -45,7 +45,6 @@ def warn(line):
 
 # ----------------------------------------------------------------------------- the out dir's lock
 
-
 OUT_DIR_LOCK = {}  # rank 0's open lock file of each out dir it runs in (lock_out_dir)
 
 
@@ -75,7 +74,6 @@ def lock_out_dir(out_dir):
 
 
 # ----------------------------------------------------------------------------- writing a checkpoint
-
 
 def save_checkpoint(root, step, files, meta, keep_last):
     """Write {name: object} atomically as root/step_<step>; keep the newest keep_last complete ones."""
@@ -147,7 +145,6 @@ def nbytes(obj):
 
 
 # ----------------------------------------------------------------------------- finding and reading one
-
 
 def read_latest(root):
     """The name of the checkpoint that root/latest points to ('step_000400'), None if none."""
@@ -249,7 +246,6 @@ def abandon(root, path):
 # BERT's phase 2 and continued pretraining start from trained weights with a new optimizer, LR plan and
 # step 0, in the source's shape; a head the source lacks starts fresh, seeded (the same on every rank).
 
-
 HEADS = ("cls.", "bert.pooler.")
 
 
@@ -318,7 +314,6 @@ def load_init(kind, folder, objective, seed):
 
 
 # ----------------------------------------------------------------------------- the Hugging Face export
-
 
 def export_hf(hf_model, tokenizer, out_dir):
     """A Hugging Face folder (safetensors + tokenizer), written aside and renamed into place. Returns

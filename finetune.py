@@ -52,7 +52,7 @@ import torch
 import checkpoints
 import data_stream
 import pretrain_ddp as P
-from model import MODEL_SIZES, new_optimizer, size_name
+from model import MODEL_SIZES, classify, new_optimizer, size_name
 
 # The recipe of each model size: (peak lr, epochs, batch size, max tokens per example); each is a flag too.
 # base, large: BERT's GLUE recipe (Devlin et al. 2019, appendix A.3: batch 32, 3 epochs, 128 tokens, lr chosen from
@@ -553,8 +553,8 @@ def predict(model, split, pad_id, device):
         for start in range(0, len(order), EVAL_BATCH):
             rows = order[start:start + EVAL_BATCH]
             batch = batch_of(split, rows, pad_id, device)
-            del batch["labels"]
-            predicted[rows] = model(**batch).logits.argmax(-1).cpu()
+            logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+            predicted[rows] = logits.argmax(-1).cpu()
     return predicted
 
 
@@ -584,7 +584,10 @@ def finetune(source, data, labels, recipe, seed, device, label):
     for step, rows in enumerate(with_progress(steps, label)):
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * P.lr_factor(plan, step)
-        loss = model(**batch_of(data.train, rows, data.pad_id, device)).loss
+        batch = batch_of(data.train, rows, data.pad_id, device)
+        # model.py's forward: the real tokens only, the last layer at [CLS] only (BENCHMARKS.md section 19)
+        logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()

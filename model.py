@@ -96,39 +96,64 @@ class Pretraining(torch.nn.Module):
                sequence_ids=None, real_pos=None, cls_pos=None):
         """(MLM logits at masked_pos, NSP logits at cls_pos or None); both index the real tokens in row
         order (real_pos: where those are in the flattened rows; None: every position is real)."""
-        bert = self.hf.bert
         if sequence_ids is not None:
             attention_mask = sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]
-        x = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
-        rows = x.shape[:2]
-        x = x.flatten(0, 1) if real_pos is None else x.flatten(0, 1).index_select(0, real_pos)
-        *layers, last = bert.encoder.layer
-        for layer in layers:
-            x = self.layer(layer, x, rows, real_pos, attention_mask)
-        x = self.layer(last, x, rows, real_pos, attention_mask, masked_pos if cls_pos is None else
-                       torch.cat([masked_pos, cls_pos]))
+        reads = masked_pos if cls_pos is None else torch.cat([masked_pos, cls_pos])
+        x = encode(self.hf.bert, input_ids, token_type_ids, reads, attention_mask, position_ids, real_pos,
+                   self.training)
         logits = self.hf.cls.predictions(x[:len(masked_pos)]).float()
         if cls_pos is None:
             return logits, None
-        pooled = bert.pooler(x[len(masked_pos):, None])  # the pooler reads position 0
+        pooled = self.hf.bert.pooler(x[len(masked_pos):, None])  # the pooler reads position 0
         return logits, self.hf.cls.seq_relationship(pooled).float()
 
-    def layer(self, layer, x, rows, real_pos, mask, reads=None):
-        """A BertLayer on the real tokens x (n, hidden), attention in the rows; with reads (indices into
-        x) only those rows come out: the last layer."""
-        att = layer.attention.self
 
-        def in_rows(t):  # (n, hidden) -> (rows, heads, width, head size), zeros at the padding
-            if real_pos is not None:
-                t = t.new_zeros(rows[0] * rows[1], t.shape[1]).index_copy(0, real_pos, t)
-            return t.view(*rows, att.num_attention_heads, att.attention_head_size).transpose(1, 2)
-        a = F.scaled_dot_product_attention(*(in_rows(f(x)) for f in (att.query, att.key, att.value)), attn_mask=mask,
-                                           dropout_p=att.dropout.p if self.training else 0.0)
-        a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
-        if reads is not None:
-            a, x = a.index_select(0, reads), x.index_select(0, reads)
-        a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
-        return layer.output(layer.intermediate(a), a)
+def classify(classifier, input_ids, token_type_ids, attention_mask):
+    """A Hugging Face BertForSequenceClassification's logits, computed as Pretraining computes its own: the real
+    tokens only, the last layer only at each row's [CLS]; attention_mask is a tokenizer's (rows, width) of 1s
+    and 0s. The same math as classifier(...).logits (tests: 1e-5)."""
+    lengths = attention_mask.sum(1)
+    cls_pos = lengths.cumsum(0) - lengths  # each row's [CLS] among the real tokens
+    real_pos = None
+    mask = None
+    if int(lengths.sum()) < attention_mask.numel():  # padding: compute the real tokens only
+        real_pos = attention_mask.flatten().nonzero().squeeze(1)
+        mask = attention_mask.bool()[:, None, None, :]
+    x = encode(classifier.bert, input_ids, token_type_ids, cls_pos, mask, None, real_pos, classifier.training)
+    pooled = classifier.bert.pooler(x[:, None])  # the pooler reads position 0
+    return classifier.classifier(classifier.dropout(pooled))
+
+
+def encode(bert, input_ids, token_type_ids, reads, attention_mask=None, position_ids=None, real_pos=None,
+           training=False):
+    """A Hugging Face BertModel's hidden states at reads (indices into the real tokens, in row order): every
+    layer on the real tokens only (real_pos: where they are in the flattened rows; None: every position is
+    real), attention in the rows under attention_mask (4-D, boolean), the last layer only at reads."""
+    x = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    rows = x.shape[:2]
+    x = x.flatten(0, 1) if real_pos is None else x.flatten(0, 1).index_select(0, real_pos)
+    *layers, last = bert.encoder.layer
+    for layer in layers:
+        x = encoder_layer(layer, x, rows, real_pos, attention_mask, training)
+    return encoder_layer(last, x, rows, real_pos, attention_mask, training, reads)
+
+
+def encoder_layer(layer, x, rows, real_pos, mask, training, reads=None):
+    """A BertLayer on the real tokens x (n, hidden), attention in the rows; with reads (indices into
+    x) only those rows come out: the last layer."""
+    att = layer.attention.self
+
+    def in_rows(t):  # (n, hidden) -> (rows, heads, width, head size), zeros at the padding
+        if real_pos is not None:
+            t = t.new_zeros(rows[0] * rows[1], t.shape[1]).index_copy(0, real_pos, t)
+        return t.view(*rows, att.num_attention_heads, att.attention_head_size).transpose(1, 2)
+    a = F.scaled_dot_product_attention(*(in_rows(f(x)) for f in (att.query, att.key, att.value)), attn_mask=mask,
+                                       dropout_p=att.dropout.p if training else 0.0)
+    a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
+    if reads is not None:
+        a, x = a.index_select(0, reads), x.index_select(0, reads)
+    a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
+    return layer.output(layer.intermediate(a), a)
 
 
 # ----------------------------------------------------------------------------- its input contract

@@ -88,14 +88,8 @@ from ranks import (  # noqa: E402
 )
 
 EVAL_SEED = 12345  # the eval set is masked the same way in every run, so numbers compare
-
-
 STEADY_AFTER = 5  # steps at the start of a run that the steady rates leave out (workers, first batches, compile)
-
-
 CALIBRATION = (3, 10)  # --budget: steps before the timed ones (worker start, allocator, compile), steps timed
-
-
 
 
 def parse_args(argv=None):
@@ -226,10 +220,7 @@ def validate(args):
 # the LR plan as plain values (dataclasses.asdict), under the names they always had: a checkpoint of an older
 # version resumes, and one of this version reads without this file.
 
-
 @dataclass(frozen=True)
-
-
 class Budget:
     """How plan_budget made a --budget plan; kept with the plan, so a resume never measures again."""
     seconds: float        # --budget
@@ -241,8 +232,6 @@ class Budget:
 
 
 @dataclass(frozen=True)
-
-
 class LRPlan:
     """The learning rate's plan, made once (from the estimate, or --budget's calibration). Positions count
     steps at the planned effective batch: a resume on another world size advances by its share of it."""
@@ -263,8 +252,6 @@ class LRPlan:
 
 
 @dataclass(frozen=True)
-
-
 class Run:
     """What rank 0 decided for the run (plan_run), sent to every rank, which verifies what it can."""
     out_dir: str
@@ -280,8 +267,6 @@ class Run:
 
 
 @dataclass
-
-
 class Rank0Only:
     """What rank 0 read while deciding (plan_run); never sent: the other ranks read their own or receive it."""
     tokenizer: object = None
@@ -291,8 +276,6 @@ class Rank0Only:
 
 
 @dataclass
-
-
 class Progress:
     """Where the run is. Every checkpoint's meta holds these fields; a resume restores them."""
     step: int = 0
@@ -311,8 +294,6 @@ class Progress:
 
 
 @dataclass
-
-
 class Trainer:
     """The model in its wrappers and what updates it, with this process's last save and rollback."""
     raw_model: Pretraining      # checkpoints and exports read raw_model.hf: never a wrapper's prefix
@@ -333,8 +314,6 @@ class Mark(NamedTuple):
 
 
 @dataclass
-
-
 class Interval:
     """The steps since the last log: count_step adds to it, log_interval reads it and starts the next one."""
     sums: torch.Tensor | None = None  # on the device: loss sums, masked tokens and samples of the steps applied
@@ -347,8 +326,6 @@ class Interval:
 
 
 @dataclass
-
-
 class Meter:
     """What the logs and the report measure. The steady rates read the training clock (eval, saves and exports
     left out: paused) at marks after 1 and STEADY_AFTER steps. Skipped steps are counted on the device, where
@@ -387,7 +364,6 @@ def warn(line):
 
 
 # ----------------------------------------------------------------------------- main(): the run as a story
-
 
 def main(argv=None):
     # --- decide the run: rank 0 decides (out dir, checkpoint, tokenizer, LR plan); every rank verifies it
@@ -512,7 +488,6 @@ def main(argv=None):
 
 
 # ----------------------------------------------------------------------------- one iteration of the loop, in its order
-
 
 def next_window(batches, args, device, hf_config, meter):
     """Up to --accum-steps micro-batches on the device: ([(batch, samples)], their cursors, this rank's
@@ -764,8 +739,6 @@ def run_eval(trainer, eval_loader, args, log, step):
 
 
 @torch.no_grad()
-
-
 def evaluate(raw_model, loader, amp_ctx, nsp):
     """Collective: MLM loss / perplexity / accuracy and NSP accuracy over the whole (sharded) eval set."""
     device = next(raw_model.parameters()).device
@@ -818,7 +791,6 @@ def end_finite(run, progress, trainer, finite, what):
 
 
 # ----------------------------------------------------------------------------- build the trainer, or restore it
-
 
 def new_trainer(args, run, rank0_only, device, amp_dtype):
     """The model with the same initial weights on every rank (--init-from's, as rank 0 loaded them), its
@@ -904,7 +876,6 @@ def set_rng_states(states, device):
 
 
 # ----------------------------------------------------------------------------- device
-
 
 def setup_device(args):
     """This rank's device and autocast dtype (None: fp32). torchrun sets LOCAL_RANK."""
@@ -1009,7 +980,6 @@ def default_out_dir():
 
 
 # ----------------------------------------------------------------------------- the run: rank 0 decides, all verify
-
 
 def plan_run(args, device, amp_dtype, rank0_only):
     """Rank 0 decides the run: out dir, checkpoint, tokenizer, corpus, LR plan. Returns (Run, LRPlan), what
@@ -1208,7 +1178,6 @@ def fetch(mine, path, read, same):
 # Planned once (from the estimate, or --budget's calibration) and kept in every checkpoint: lr_factor (in the
 # loop's section above) reads it.
 
-
 def new_lr_plan(args, stream):
     """Rank 0: the plan of --epochs (capped by --max-steps) from estimate_steps' count, and that estimate."""
     settings = (stream, GROUP.world_size, args.num_workers, args.batch_size, args.accum_steps)
@@ -1302,7 +1271,6 @@ def plan_budget(args, run, plan, trainer, stream, eval_loader, device, meter):
 
 
 # ----------------------------------------------------------------------------- what the run says: lines, report, sinks
-
 
 def new_meter(device, amp_dtype, progress):
     start = Mark(time.perf_counter(), progress.step, progress.tokens_seen, progress.flops_done)
@@ -1410,7 +1378,6 @@ def report(args, run, plan, progress, meter, end, train_loss, eval_metrics, stop
 
 # ----------------------------------------------------------------------------- data loading
 
-
 def make_stream(args, corpus, split, tokenizer, seed, shuffle):
     return data_stream.stream_from_args(args, corpus, split, tokenizer, seed, shuffle, GROUP.rank,
                                         GROUP.world_size)
@@ -1429,7 +1396,6 @@ def start_epoch(stream, epoch, resume_data, num_workers):
 
 
 # ----------------------------------------------------------------------------- the process's ends
-
 
 def exit_now(code):
     """End the process without the interpreter's teardown (its work done and said): teardown destroys C++

@@ -22,8 +22,6 @@ HOST = socket.gethostname()
 
 
 @dataclass
-
-
 class Group:
     """This process in the job (join_group): its rank, the world size, this launch's namespace in torchrun's
     store, and the group for control traffic (gloo; None: the default group)."""
