@@ -6,7 +6,7 @@ Corpora: BERT's own text format (one sentence per line, a blank line between doc
 .txt.gz), JSON lines ({"text": ...} per line; .jsonl, .jsonl.gz), parquet files and folders written
 by Hugging Face `datasets.Dataset.save_to_disk` (.arrow), alone or mixed. `--corpus builtin` is
 English prose that ships with CPython (the pydoc topics plus standard library docstrings), so
-nothing is ever downloaded.
+nothing is ever downloaded; builtin_corpus.py, imported only to write it once, gathers it.
 
     python data_stream.py --show 3                                # decoded samples from the builtin corpus
     python data_stream.py --corpus wiki.jsonl.gz --build-cache   # tokenize ahead, on all cores
@@ -37,7 +37,6 @@ The layers, one section each, top to bottom, each using only the ones above it:
 """
 
 import argparse
-import ast
 import contextlib
 import copy
 import fcntl
@@ -58,7 +57,6 @@ import select
 import shutil
 import signal
 import sys
-import sysconfig
 import threading
 import time
 import uuid
@@ -140,48 +138,23 @@ def _machine_lock(path):
 
 
 def _split_prose(text):
-    """Prose paragraphs -> sentences; code examples and tables are dropped (builtin corpus only)."""
-    sentences = []
-    for para in re.split(r"\n\s*\n", text):
-        lines = [ln.strip() for ln in para.splitlines()]
-        if not lines or any(ln.startswith((">>>", "...", "|", "+-", "$")) for ln in lines):
-            continue
-        if para.startswith(("    ", "\t")) and not para.strip().endswith("."):
-            continue
-        joined = " ".join(ln for ln in lines if ln)
-        sentences += [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'(])", joined) if len(s) > 1]
-    return sentences
+    """Prose paragraphs -> sentences (builtin_corpus.split_prose; bench/learning.py splits texts with it)."""
+    import builtin_corpus
+    return builtin_corpus.split_prose(text)
 
 
 def build_builtin_corpus():
-    """Write the builtin corpus (train + held-out eval split) once; return the two paths."""
+    """Write the builtin corpus (builtin_corpus.py: train + held-out eval split) once; return the two paths."""
     out_dir = os.path.join(CACHE_DIR, f"builtin-py{sys.version_info[0]}{sys.version_info[1]}-v1")
     train_path, eval_path = os.path.join(out_dir, "train.txt"), os.path.join(out_dir, "eval.txt")
-    if os.path.exists(train_path) and os.path.exists(eval_path):
-        return train_path, eval_path
-    import pydoc_data.topics
-    texts = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
-    root = sysconfig.get_paths()["stdlib"]
-    skip = {"test", "tests", "site-packages", "idlelib", "lib2to3", "turtledemo", "__pycache__"}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip)
-        for name in sorted(f for f in filenames if f.endswith(".py")):
-            try:  # parse, never import: importing stdlib modules has side effects
-                with open(os.path.join(dirpath, name), encoding="utf-8") as f:
-                    tree = ast.parse(f.read())
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue
-            for node in ast.walk(tree):
-                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                    doc = ast.get_docstring(node)
-                    if doc and len(doc) > 300:
-                        texts.append(doc)
-    docs = [s for s in (_split_prose(t) for t in texts) if len(s) >= 2]
-    os.makedirs(out_dir, exist_ok=True)
-    # Every 20th document is held out for evaluation and never enters the training stream.
-    for path, part in ((eval_path, docs[::20]), (train_path, [d for i, d in enumerate(docs) if i % 20])):
-        text = "\n\n".join("\n".join(d) for d in part) + "\n"
-        atomic_write(path, lambda f, text=text: f.write(text), "w")
+    if not (os.path.exists(train_path) and os.path.exists(eval_path)):
+        try:
+            import builtin_corpus
+        except ModuleNotFoundError as e:
+            if e.name != "builtin_corpus":
+                raise
+            raise CorpusError("--corpus builtin needs builtin_corpus.py: copy it beside data_stream.py") from None
+        builtin_corpus.write_corpus(train_path, eval_path, atomic_write)
     return train_path, eval_path
 
 
@@ -217,11 +190,7 @@ def file_format(path):
     name = path[:-3] if path.endswith(".gz") else path
     if name.endswith((".jsonl", ".json", ".ndjson")):
         return "jsonl"
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith(".arrow"):
-        return "arrow"
-    return "text"
+    return name.rsplit(".", 1)[1] if name.endswith((".parquet", ".arrow")) else "text"
 
 
 CORPUS_SUFFIXES = (".txt", ".txt.gz", ".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz", ".parquet", ".arrow")
@@ -294,26 +263,29 @@ def _arrow_corpus(path):
     return arrow_corpus
 
 
-def _text_parts(text_lengths, max_doc_bytes):
-    """Records -> (record, part) pairs: a record longer than max_doc_bytes is read as several parts."""
-    parts = np.maximum(1, -(-np.asarray(text_lengths, np.int64) // max_doc_bytes))
+def _record_index(starts, ends, text_lengths, max_doc_bytes, bad, empty):
+    """Records (where each is: start, end) -> the index: a record over max_doc_bytes is read as several parts."""
+    lengths = np.asarray(text_lengths, np.int64)
+    parts = np.maximum(1, -(-lengths // max_doc_bytes))
     record = np.repeat(np.arange(len(parts)), parts)
     part = np.arange(len(record)) - np.repeat(np.cumsum(parts) - parts, parts)
-    size = np.minimum(np.asarray(text_lengths, np.int64)[record] - part * max_doc_bytes, max_doc_bytes)
-    return record, part, np.maximum(size, 1)
+    size = np.maximum(np.minimum(lengths[record] - part * max_doc_bytes, max_doc_bytes), 1)
+    return {"start": starts[record], "end": ends[record], "part": part.astype(np.int32), "bytes": size,
+            "chars": size, "bad": bad, "empty": empty}
 
 
 def _index_text(path, max_doc_bytes):
     """BERT format: (start, end) byte offsets of documents; long documents cut at a line, long
     lines at a UTF-8 character boundary. Returns starts, ends, characters (without the document's
     last newline: what the same sentences joined into a record hold) and the count of non-UTF-8 lines."""
-    starts, ends, chars, bad_lines = [], [], [], 0
+    docs = []  # (start, end, characters) of each document
+    bad_lines = 0
     with open(path, "rb") as f:
-        pos, doc_start, doc_chars = 0, None, 0
+        pos = 0
+        doc_start = None
+        doc_chars = 0
         while True:
-            line = f.readline(MAX_LINE_BYTES)
-            if not line:
-                break
+            line = f.readline(MAX_LINE_BYTES)  # b"" at the end: a blank line that ends the last document
             if len(line) == MAX_LINE_BYTES and not line.endswith(b"\n"):
                 k = len(line) - 1  # step back to the start of a multi-byte UTF-8 character
                 while k > 0 and (line[k] & 0xC0) == 0x80:
@@ -329,18 +301,18 @@ def _index_text(path, max_doc_bytes):
                 if doc_start is None:
                     doc_start = pos
                 elif pos - doc_start >= max_doc_bytes:
-                    starts.append(doc_start), ends.append(pos), chars.append(doc_chars - 1)
+                    docs.append((doc_start, pos, doc_chars - 1))
                     doc_start, doc_chars = pos, 0
                 doc_chars += length
             elif doc_start is not None:
-                starts.append(doc_start), ends.append(pos), chars.append(doc_chars - 1)
+                docs.append((doc_start, pos, doc_chars - 1))
                 doc_start, doc_chars = None, 0
+            if not line:
+                break
             pos += len(line)
-        if doc_start is not None:
-            starts.append(doc_start), ends.append(pos), chars.append(doc_chars - 1)
-    starts, ends = np.array(starts, np.int64), np.array(ends, np.int64)
+    starts, ends, chars = np.array(docs, np.int64).reshape(-1, 3).T
     return {"start": starts, "end": ends, "part": np.zeros(len(starts), np.int32), "bytes": ends - starts,
-            "chars": np.maximum(np.array(chars, np.int64), 1), "bad": bad_lines, "empty": 0}
+            "chars": np.maximum(chars, 1), "bad": bad_lines, "empty": 0}
 
 
 def _json_text(line, path, line_no, text_field):
@@ -362,7 +334,9 @@ def _json_text(line, path, line_no, text_field):
 def _index_jsonl(path, text_field, max_doc_bytes, name):
     """JSON lines: one record per line, indexed by byte offsets; records parsed once here, so a bad
     line is reported (as `name`'s) before training rather than in the middle of it."""
-    starts, ends, lengths, empty, bad = [], [], [], 0, 0
+    records = []  # (start, end, characters) of each record that holds text
+    empty = 0
+    bad = 0
     with open(path, "rb") as f:
         pos = 0
         for line_no, line in enumerate(f, 1):
@@ -373,21 +347,18 @@ def _index_jsonl(path, text_field, max_doc_bytes, name):
                     bad += 1
                 text = _json_text(line, name, line_no, text_field)
                 if text.strip():
-                    starts.append(pos), ends.append(pos + len(line)), lengths.append(len(text))
+                    records.append((pos, pos + len(line), len(text)))
                 else:
                     empty += 1
             pos += len(line)
-    record, part, size = _text_parts(lengths, max_doc_bytes)
-    return {"start": np.array(starts, np.int64)[record], "end": np.array(ends, np.int64)[record],
-            "part": part.astype(np.int32), "bytes": size, "chars": size, "bad": bad, "empty": empty}
+    starts, ends, lengths = np.array(records, np.int64).reshape(-1, 3).T
+    return _record_index(starts, ends, lengths, max_doc_bytes, bad, empty)
 
 
 def _index_records(path, fmt, text_field, max_doc_bytes):
     """parquet: (row group, row) per record; arrow: (0, row) (arrow_corpus.py reads them)."""
     group, row, lengths, empty = _arrow_corpus(path).index_records(path, fmt, text_field, CorpusError)
-    record, part, size = _text_parts(lengths, max_doc_bytes)
-    return {"start": group[record], "end": row[record], "part": part.astype(np.int32), "bytes": size,
-            "chars": size, "bad": 0, "empty": empty}
+    return _record_index(group, row, lengths, max_doc_bytes, 0, empty)
 
 
 def _index_file(path, fmt, text_field, max_doc_bytes, name):
@@ -472,7 +443,6 @@ class Corpus:
 
     @property
     def num_docs(self):
-
         return len(self.index["start"])
 
     def doc_bytes(self):
@@ -512,8 +482,8 @@ class Corpus:
         return self._open[file_id]
 
     def _record_text(self, doc_id):
-        file_id, start, end = int(self.index["file"][doc_id]), int(self.index["start"][doc_id]), \
-            int(self.index["end"][doc_id])
+        file_id = int(self.index["file"][doc_id])
+        start, end = int(self.index["start"][doc_id]), int(self.index["end"][doc_id])
         fmt, handle = self.formats[file_id], self._handle(file_id)
         if fmt == "jsonl":
             handle.seek(start)
@@ -643,7 +613,10 @@ class TokenCache:
     def __init__(self, root, key, vocab_size):
         self.dir = os.path.join(root, key)
         self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
-        self.where, self.pieces, self.pending, self.pending_tokens = None, [], [], 0
+        self.where = None  # document -> (piece, place in it), -1: not cached; set by refresh
+        self.pieces = []
+        self.pending = []  # (doc_id, ids, bounds) tokenized by this process, not written yet
+        self.pending_tokens = 0
         self.writable, self.pid = True, os.getpid()
 
     def __getstate__(self):
@@ -654,7 +627,8 @@ class TokenCache:
     def refresh(self, num_docs):
         """Find the pieces written so far (by any process); called at the start of every pass."""
         if self.pid != os.getpid():  # a forked worker: what its parent had pending is the parent's
-            self.pid, self.pending, self.pending_tokens = os.getpid(), [], 0
+            self.pid = os.getpid()
+            self.pending, self.pending_tokens = [], 0
         self.where, self.pieces = np.full((num_docs, 2), -1, np.int64), []
         if not os.path.isdir(self.dir):
             return
@@ -671,9 +645,11 @@ class TokenCache:
             with open(path, "rb") as f:
                 header = json.loads(f.readline())
                 offset = f.tell()
-            n_docs, n_sents, n_tokens = header["docs"], header["sentences"], header["tokens"]
-            dtype = np.dtype(header["dtype"])
-            if os.path.getsize(path) != offset + 8 * (2 * n_docs + 1 + n_sents + 1) + dtype.itemsize * n_tokens:
+            n_docs = header["docs"]
+            arrays = (("docs", n_docs, np.int64), ("doc_sents", n_docs + 1, np.int64),
+                      ("bounds", header["sentences"] + 1, np.int64),
+                      ("tokens", header["tokens"], np.dtype(header["dtype"])))  # the layout of the class docstring
+            if os.path.getsize(path) != offset + sum(count * np.dtype(dt).itemsize for _, count, dt in arrays):
                 raise ValueError("truncated")
         except FileNotFoundError:  # removed by another process since the listing
             return
@@ -690,8 +666,7 @@ class TokenCache:
             warnings.warn(f"token cache: cannot map {path} ({e}); its documents are tokenized", stacklevel=3)
             return
         views, pos = {}, offset
-        for name, count, dt in (("docs", n_docs, np.int64), ("doc_sents", n_docs + 1, np.int64),
-                                ("bounds", n_sents + 1, np.int64), ("tokens", n_tokens, dtype)):
+        for name, count, dt in arrays:
             views[name] = np.frombuffer(mm, dt, count, pos)
             pos += count * np.dtype(dt).itemsize
         piece_id = len(self.pieces)
@@ -794,10 +769,13 @@ def plan_pairs(seg_lens, max_num_tokens, short_seq_prob, doc_id, num_docs, rng):
     target_len = max_num_tokens
     if rng.random() < short_seq_prob:
         target_len = int(rng.integers(2, max_num_tokens + 1))
-    plans, chunk_start, chunk_len, i, last = [], 0, 0, 0, len(seg_lens) - 1
-    while i <= last:
+    plans = []
+    chunk_start = 0  # the sample's first segment, and the tokens from it to segment i
+    chunk_len = 0
+    i = 0
+    while i < len(seg_lens):
         chunk_len += seg_lens[i]
-        if i == last or chunk_len >= target_len:
+        if i == len(seg_lens) - 1 or chunk_len >= target_len:
             n = i + 1 - chunk_start
             a_end = chunk_start + (int(rng.integers(1, n)) if n >= 2 else 1)
             if n == 1 or rng.random() < 0.5:
@@ -815,7 +793,8 @@ def plan_pairs(seg_lens, max_num_tokens, short_seq_prob, doc_id, num_docs, rng):
 def truncate_pair(a, b, max_num_tokens, rng):
     """BERT's truncate_seq_pair in closed form: the same lengths as trimming the longer side one
     token at a time, and the same distribution of front/back cuts, without a per-token loop."""
-    la, lb, m = len(a), len(b), max_num_tokens
+    m = max_num_tokens
+    la, lb = len(a), len(b)
     if la + lb > m:
         if la > lb:
             la = max(lb, m - lb)
@@ -839,8 +818,11 @@ def random_segment(ids, bounds, frac, target_len):
 def random_segment_of_lines(tokenizer, lines, frac, target_len):
     """random_segment of a document that is not in the token cache: only the sentences needed are
     tokenized (from frac of its lines on), not the whole document."""
-    start, ids, bounds, have = min(int(frac * len(lines)), len(lines) - 1), [], [np.zeros(1, np.int64)], 0
+    start = min(int(frac * len(lines)), len(lines) - 1)
     step = 2  # lines tokenized at a time, doubling: most random segments need a few sentences
+    ids = []
+    bounds = [np.zeros(1, np.int64)]
+    have = 0  # tokens in ids
     while 0 <= start < len(lines) and have < max(target_len, 1):
         i, bd = tokenize_lines(tokenizer, lines[start:start + step])
         ids.append(i), bounds.append(bd[1:] + have)
@@ -893,8 +875,7 @@ def token_tables(tokenizer):
     return special_table, continuation_table, np.flatnonzero(~special_table)
 
 
-def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_ids, mask_prob,
-               whole_word):
+def mask_batch(ids, draws, special_table, continuation_table, mask_id, random_ids, mask_prob, whole_word):
     """BERT dynamic masking of a padded batch in place; returns the labels (-100: not predicted).
 
     draws[0] chooses (mask_prob of the non-special tokens; with whole_word, a word's first piece
@@ -937,11 +918,16 @@ def collate(samples, cursor, pad_id, max_seq_len, mask, nsp, pack=False):
     # Pad to a multiple of 8 (tensor cores), not to max_seq_len: less wasted compute.
     width = min(max_seq_len, -(-int((offsets + lengths).max()) // 8) * 8)
     shape = (int(rows.max()) + 1, width)
-    ids, types, positions = np.full(shape, pad_id, np.int64), np.zeros(shape, np.int64), np.zeros(shape, np.int64)
-    draws, sequence = np.ones((3, *shape), np.float32), np.full(shape, -1, np.int64)  # draws 1.0: never chosen
+    ids = np.full(shape, pad_id, np.int64)
+    types = np.zeros(shape, np.int64)
+    positions = np.zeros(shape, np.int64)
+    draws = np.ones((3, *shape), np.float32)  # draws 1.0: never chosen
+    sequence = np.full(shape, -1, np.int64)
     for i, (sample_ids, sample_draws, _, type_start, _) in enumerate(samples):
         row, cols = rows[i], slice(offsets[i], offsets[i] + lengths[i])
-        ids[row, cols], draws[:, row, cols], sequence[row, cols] = sample_ids, sample_draws, i
+        ids[row, cols] = sample_ids
+        draws[:, row, cols] = sample_draws
+        sequence[row, cols] = i
         types[row, offsets[i] + type_start:cols.stop] = 1
         positions[row, cols] = np.arange(lengths[i])
     labels = mask(ids, draws)
@@ -971,19 +957,14 @@ def shard_documents(doc_bytes, seed, epoch, num_shards, shuffle=True, exclude=No
     return np.split(order, cuts)
 
 
-def pool_start(num_open, shard_size):
-    """The pool's cursor before a shard's first sample: the first num_open documents open, none read."""
-    k = min(num_open, shard_size)
-    return {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k, "size": [-1] * k}
-
-
 def fresh_position(num_open, shard_size, block_size):
-    """A shard's cursor before its first sample: 'pool' is the pool's cursor where the block being
-    read began, 'block' its number, 'used' its samples consumed, 'block_size' the --shuffle-block
-    the epoch began with (a resume with another one goes on with it); 'leftover_used': samples
-    consumed of the shard's share of a resize's leftover (read first)."""
-    return {"pool": pool_start(num_open, shard_size), "block": 0, "used": 0, "block_size": block_size,
-            "leftover_used": 0}
+    """A shard's cursor before its first sample: 'pool' is the pool's cursor where the block being read began
+    (draw_units; at first: the first num_open documents open, none read), 'block' its number, 'used' its samples
+    consumed, 'block_size' the --shuffle-block the epoch began with (a resume with another one goes on with it);
+    'leftover_used': samples consumed of the shard's share of a resize's leftover (read first)."""
+    k = min(num_open, shard_size)
+    pool = {"next": k, "draw": 0, "open": list(range(k)), "taken": [0] * k, "size": [-1] * k}
+    return {"pool": pool, "block": 0, "used": 0, "block_size": block_size, "leftover_used": 0}
 
 
 def empty_state(epoch):
@@ -1057,7 +1038,9 @@ def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, par
     documents it holds, not for --shuffle-docs of them (30 books: 1 s, not 14 s); until then its weight
     is guessed from its length in the index, then it is its units left, kept in the cursor: the weights
     are a pure function of the cursor and the corpus, and a resume draws the same documents."""
-    opened, taken, sizes = position["open"], position["taken"], position["size"]
+    opened = position["open"]  # the cursor's lists, one place a slot
+    taken = position["taken"]
+    sizes = position["size"]
     live = {}  # slot -> the open document's units; memory: --shuffle-docs documents
 
     def weight(slot):
@@ -1078,14 +1061,17 @@ def draw_units(shard_docs, position, draw, open_units, take, size, per_draw, par
             sizes[slot] = size(live[slot])
             # a document partly read before a resize goes on from where it stopped
             taken[slot] = max(taken[slot], partial.get(str(doc_id), 0))
-        units, k, end = live[slot], taken[slot], sizes[slot]
+        k = taken[slot]
+        end = sizes[slot]
         if k < end:  # else an empty document: replaced, and the same draw used again
-            unit, taken[slot] = take(units, k)
+            unit, taken[slot] = take(live[slot], k)
             position["draw"] += 1
         if taken[slot] >= end:
             del live[slot]
             if position["next"] < len(shard_docs):
-                opened[slot], taken[slot], sizes[slot] = position["next"], 0, -1
+                opened[slot] = position["next"]
+                taken[slot] = 0
+                sizes[slot] = -1
                 position["next"] += 1
             else:
                 opened[slot] = -1
@@ -1143,13 +1129,14 @@ def shard_samples(position, leftover, rebuild, samples_from, seed, epoch, shard,
         for doc_id, _, _ in leftover[i]:  # memory: only the documents still to be used
             if last_use[doc_id] == i:
                 opened.pop(doc_id, None)
-    pool, block, block_size = copy.deepcopy(position["pool"]), position["block"], position["block_size"]
+    pool = copy.deepcopy(position["pool"])
+    block = position["block"]
     samples = samples_from(pool)
-    chunk = list(itertools.islice(samples, block_length(block, block_size)))
+    chunk = list(itertools.islice(samples, block_length(block, position["block_size"])))
     while chunk:
         after = copy.deepcopy(pool)  # where the next block begins
         order = block_order(len(chunk), seed, epoch, shard, num_shards, block, shuffle)
-        following, size = [], block_length(block + 1, block_size)
+        following, size = [], block_length(block + 1, position["block_size"])
         for j in range(position["used"], len(chunk) - 1):
             following += itertools.islice(samples, 1 if block else 0)  # the first batch: its own samples only
             position["used"] = j + 1
@@ -1220,9 +1207,15 @@ class BertPretrainStream(IterableDataset):
                 raise CorpusError(f"{flag} must be at least 1, not {value}")
         self.corpus = open_corpus(corpus, split, objective, text_field, max_doc_bytes, language)
         self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, vocab_size)
-        self.objective, self.max_seq_len, self.batch_size = objective, max_seq_len, batch_size
-        self.mask_prob, self.short_seq_prob, self.seed, self.shuffle = mask_prob, short_seq_prob, seed, shuffle
-        self.whole_word_mask, self.pack_pairs = whole_word_mask, pack_pairs and objective == "nsp"
+        self.objective = objective
+        self.max_seq_len = max_seq_len
+        self.batch_size = batch_size
+        self.mask_prob = mask_prob
+        self.short_seq_prob = short_seq_prob
+        self.seed = seed
+        self.shuffle = shuffle
+        self.whole_word_mask = whole_word_mask
+        self.pack_pairs = pack_pairs and objective == "nsp"
         self.num_open = shuffle_docs if shuffle else 1  # an unshuffled stream reads documents in order
         self.block_size = shuffle_block
         if rank is None:
@@ -1230,12 +1223,15 @@ class BertPretrainStream(IterableDataset):
             rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         self.rank, self.world_size = rank, world_size
         tok = self.tokenizer
-        self.cls_id, self.sep_id, self.pad_id = tok.cls_token_id, tok.sep_token_id, tok.pad_token_id
-        self.mask_id, self.vocab_size = tok.mask_token_id, len(tok)
+        self.cls_id = tok.cls_token_id
+        self.sep_id = tok.sep_token_id
+        self.pad_id = tok.pad_token_id
+        self.mask_id = tok.mask_token_id
+        self.vocab_size = len(tok)
         self.special_table, self.continuation_table, self.random_ids = token_tables(tok)
         self.cache = token_cache_for(token_cache, self.corpus, tok)
         self._random_b = functools.partial(random_next_segment, self.corpus, self.tokenizer, self.cache)
-        self.epoch, self.resume, self._consumed = 0, None, None
+        self.set_epoch(0)
 
     def __len__(self):  # DataLoader must not guess; the estimator answers this question
         raise TypeError("a stream has no length: use estimate_steps.py")
@@ -1249,7 +1245,9 @@ class BertPretrainStream(IterableDataset):
 
     # --- epochs and cursors (main process)
     def set_epoch(self, epoch):
-        self.epoch, self.resume, self._consumed = epoch, None, None
+        self.epoch = epoch
+        self.resume = None  # a state to go on from (load_state_dict)
+        self._consumed = None  # what the trainer used of the epoch (consumed): the next state_dict
 
     def consumed(self, cursor):
         """Record that the trainer used the batch with this cursor (call for every batch it trains on)."""
@@ -1399,8 +1397,7 @@ class BertPretrainStream(IterableDataset):
         """A batch of tensors (masked now: new masks every epoch) with the cursor after its last sample."""
         cursor = (shard, dict(position), num_shards)  # position["pool"] is replaced, never changed
         return collate(samples, cursor, self.pad_id, self.max_seq_len, self._mask, self.objective == "nsp",
-                       self.pack_pairs), \
-            [s[2] for s in samples]
+                       self.pack_pairs), [s[2] for s in samples]
 
     def _mask(self, ids, draws):
         return mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id, self.random_ids,
@@ -1586,7 +1583,9 @@ def build_cache(stream):
         raise CorpusError("--build-cache needs a token cache: drop --token-cache none")
     stream.cache.refresh(stream.num_docs)
     todo = np.flatnonzero(stream.cache.where[:, 0] < 0)
-    t0, tokens, batch_docs = time.perf_counter(), 0, 512
+    t0 = time.perf_counter()
+    tokens = 0
+    batch_docs = 512
     for k in range(0, len(todo), batch_docs):
         docs = todo[k:k + batch_docs]
         lines = [stream.corpus.read(int(d)) for d in docs]
