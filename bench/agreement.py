@@ -1,6 +1,7 @@
-"""What "rank 0 decides, every rank verifies" costs at start-up, on 2 gloo ranks.
+"""What "rank 0 decides, every rank verifies" costs at start-up, on 2 gloo ranks (BENCHMARKS.md section 9).
 
-    torchrun --standalone --nproc_per_node 2 bench/agreement.py --model-size small
+    torchrun --standalone --nproc_per_node 2 bench/agreement.py --model-size small   # and --model-size mini
+    torchrun --standalone --nproc_per_node 2 bench/agreement.py --model-size tiny --repeats 1   # a smoke run
 
 - join_group: torchrun's store -> the nonce handshake -> init_process_group (once).
 - a resumed checkpoint (weights + AdamW state) sent by rank 0 over the process group
@@ -29,7 +30,7 @@ args = p.parse_args()
 t0 = time.perf_counter()
 P.join_group(torch.device("cpu"), timedelta(minutes=5), -1)
 join_s = time.perf_counter() - t0
-rank = P.GROUP["rank"]
+rank = P.GROUP.rank
 
 torch.manual_seed(0)
 model = M.Pretraining(M.model_from(M.new_architecture(args.model_size, 30522, 128, 0), "nsp", 0.1))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Both ends of the supported version range (issue 27): the scripts run end to end on the oldest
-# torch/transformers that requirements.txt allows and on the newest that pip resolves.
+# Both ends of the supported version range (issue 27; BENCHMARKS.md section 13): the scripts run end to end on
+# the oldest torch/transformers that requirements.txt allows and on the newest that pip resolves.
 #
 #     bash bench/compat.sh floor              # torch 2.11.0, transformers 5.17.0 + the small deps' floors
 #     bash bench/compat.sh newest             # pip install -r requirements.txt (the newest pip resolves)

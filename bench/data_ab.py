@@ -1,12 +1,12 @@
 """
-The data layer against an older commit's, side by side in one run (issue 37): the first batch on book-sized
-documents and the warm rate next to the bare tokenizer, nsp and mlm.
+The data layer against an older commit's, side by side in one run (issue 37; BENCHMARKS.md section 16, "The data
+layer"). A one-off A/B, recorded: to be deleted after its last run.
 
     python bench/data_ab.py --before 3bfe93f                 # this tree's data_stream.py against 3bfe93f's
     python bench/data_ab.py --before a0fd358 --rounds 3 --seconds 10
 
-Corpora (generated once into --work-dir): 30 documents of ~1 MB (bench/first_launch.py's books, Zipf words) and
-3,000 documents of builtin-corpus sentences (bench/data_rate.py's). One WordPiece per corpus, trained once and
+Corpora (generated once into --work-dir by bench/common.py's write_corpus): 30 documents of ~1 MB (books of Zipf
+words) and 3,000 documents of builtin-corpus sentences. One WordPiece per corpus, trained once and
 given to both sides. Each measurement is `bench/stream_bench.py` in a fresh process (one worker's work: one thread,
 TOKENIZERS_PARALLELISM=false), run from a copy beside the side's data_stream.py, with a BERT_DDP_CACHE of its own:
 - first batch on the books: from iter() to the first batch, with an empty token cache (cold) and a full one (warm);
@@ -57,16 +57,13 @@ def main():
     p.add_argument("--docs", type=int, default=3000)
     p.add_argument("--work-dir", default="/tmp/bert_ddp_bench/data_ab")
     args = p.parse_args()
-    from data_rate import generate as prose
-    from first_launch import write_books
+    from common import write_corpus
 
     os.makedirs(args.work_dir, exist_ok=True)
     books = os.path.join(args.work_dir, f"books-{args.books}.txt")
-    if not os.path.exists(books):
-        write_books(books, args.books, 1.0)
+    write_corpus(books, docs=args.books, doc_mb=1.0, words="zipf")
     docs = os.path.join(args.work_dir, f"docs-{args.docs}.txt")
-    if not os.path.exists(docs):
-        prose(docs, args.docs, 0)
+    write_corpus(docs, docs=args.docs)
     sides = {}
     for name, rev in (("before", args.before), ("after", None)):
         side = os.path.join(args.work_dir, name)

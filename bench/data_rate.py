@@ -1,15 +1,21 @@
 """
-Data rate of one process: tokens/s the stream delivers (nsp and mlm: cold token cache, warm, cache off) next
-to the bare fast tokenizer and to the Hugging Face datasets pipeline of run_mlm.py, same corpus and batch shape.
+Data rate of one process (BENCHMARKS.md section 10): tokens/s the stream delivers (nsp and mlm: cold token cache,
+warm, cache off) next to the bare fast tokenizer and to the Hugging Face datasets pipeline of run_mlm.py, same
+corpus and batch shape; with --formats, the same text as .jsonl and .parquet too.
 
     python bench/data_rate.py                            # 3,000 documents (~7.4 MB), batch 32 x 128, <= 60 s a row
-    python bench/data_rate.py --docs 1000 --seconds 20 --json
+    python bench/data_rate.py --before /tmp/old/data_stream.py    # + another commit's stream (section 10's table)
+    python bench/data_rate.py --formats txt,jsonl,parquet --seconds 30     # section 10's formats
+    python bench/data_rate.py --docs 200 --seconds 2 --formats txt,jsonl   # a smoke run
 
-Corpus: generated, BERT format (one sentence per line, a blank line between documents). Each document is a
-run of 5-45 consecutive sentences (25 on average, ~2.5 kB) taken from a random place of the builtin corpus
-(English prose shipped with CPython: pydoc topics and stdlib docstrings), so the text is real English,
-repeated and reshuffled. A WordPiece (--vocab-size) is trained on it first (untimed). BERT_DDP_CACHE points
-at a fresh temporary folder, set before data_stream is imported, so "cold" has no token cache from before.
+Corpus: bench/common.py's write_corpus (words='prose'), BERT format (one sentence per line, a blank line between
+documents). Each document is a run of 5-45 consecutive sentences (25 on average, ~2.5 kB) taken from a random
+place of the builtin corpus (English prose shipped with CPython: pydoc topics and stdlib docstrings), so the text
+is real English, repeated and reshuffled. --formats jsonl, parquet: the same documents as records, a document's
+sentences joined by spaces (paragraphs, as such corpora hold them), so nsp splits them again with sentencex (its
+rate on that text is printed); parquet in row groups of 1,000. A WordPiece (--vocab-size) is trained on it first
+(untimed). BERT_DDP_CACHE points at a fresh temporary folder, set before data_stream is imported, so "cold" has no
+token cache from before.
 Everything runs with TOKENIZERS_PARALLELISM=false (a DataLoader worker's setting; pretrain_ddp.py sets it
 when it has workers) except the "all cores" tokenizer row: per-process numbers, one core each.
 
@@ -54,11 +60,11 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import common  # noqa: E402  (imports no data_stream: BERT_DDP_CACHE is set first)
+
+ROOT = common.ROOT
 CHUNK_LINES = 4096
 
 
@@ -74,6 +80,7 @@ def parse_args(argv=None):
     p.add_argument("--before", metavar="DATA_STREAM_PY",
                    help="also time epoch 0 of another data_stream.py on the same corpus (e.g. an older commit's: "
                         "git show 62a1403:data_stream.py > /tmp/before/data_stream.py)")
+    p.add_argument("--formats", default="txt", help="comma list of txt, jsonl, parquet: the stream rows of each")
     p.add_argument("--json", action="store_true", help="also print the results as JSON")
     p.add_argument("--keep", action="store_true", help="keep the temporary folder (corpus, caches) and print it")
     p.add_argument("--worker", choices=["bare"], help=argparse.SUPPRESS)  # internal: bare tokenizer subprocess
@@ -95,20 +102,27 @@ def machine():
             "python": platform.python_version(), **versions}
 
 
-def generate(path, num_docs, seed):
-    """num_docs documents, each 5-45 consecutive builtin-corpus sentences from a random place."""
-    import data_stream
-    with open(data_stream.build_builtin_corpus()[0], encoding="utf-8") as f:
-        pool = [ln.strip() for ln in f if ln.strip()]
-    rng = np.random.default_rng([seed, 1])
-    docs = []
-    for _ in range(num_docs):
-        n = int(rng.integers(5, 46))
-        start = int(rng.integers(0, len(pool) - n))
-        docs.append("\n".join(pool[start:start + n]))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n\n".join(docs) + "\n")
-    return path
+def formats(path, names):
+    """{format: corpus file}: the text corpus, and its documents as .jsonl / .parquet records."""
+    with open(path, encoding="utf-8") as f:
+        texts = [" ".join(doc.split("\n")) for doc in f.read().strip("\n").split("\n\n")]
+    paths = {"txt": path}
+    if "jsonl" in names:
+        paths["jsonl"] = os.path.splitext(path)[0] + ".jsonl"
+        with open(paths["jsonl"], "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    if "parquet" in names:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        paths["parquet"] = os.path.splitext(path)[0] + ".parquet"
+        pq.write_table(pa.table({"text": texts}), paths["parquet"], row_group_size=1000)
+    if len(paths) > 1:
+        import sentencex
+        t0 = time.perf_counter()
+        count = sum(1 for t in texts for _ in sentencex.segment("en", t))
+        mb = sum(map(len, texts)) / 1e6
+        print(f"sentencex: {mb / (time.perf_counter() - t0):.1f} MB/s ({count:,} sentences of {mb:.1f} MB)", flush=True)
+    return {name: paths[name] for name in names}
 
 
 def corpus_lines(path):
@@ -179,16 +193,17 @@ def iterate(stream, seconds, t_start=None):
             "first_batch": first, "batches": batches, "cut": cut}
 
 
-def stream_rows(args, ds, tok, path, objective, work):
-    common = {"objective": objective, "max_seq_len": args.max_seq_len, "batch_size": args.batch_size,
-              "seed": args.seed, "rank": 0, "world_size": 1}
+def stream_rows(args, ds, tok, path, objective, work, fmt="txt"):
+    settings = {"objective": objective, "max_seq_len": args.max_seq_len, "batch_size": args.batch_size,
+                "seed": args.seed, "rank": 0, "world_size": 1}
+    name = f"stream {objective}" + ("" if fmt == "txt" else f" {fmt}")
     rows = {}
     # A token cache folder of its own per objective ('auto' is the same cache under BERT_DDP_CACHE/tokens):
     # on a text corpus nsp and mlm read the same token ids, so a shared cache would make mlm's "cold" warm.
-    cache_dir = os.path.join(work, f"tokens-{objective}")
+    cache_dir = os.path.join(work, f"tokens-{objective}-{fmt}")
     assert not os.path.exists(cache_dir)
     t_start = time.perf_counter()
-    stream = ds.BertPretrainStream(path, tok, token_cache=cache_dir, **common)
+    stream = ds.BertPretrainStream(path, tok, token_cache=cache_dir, **settings)
     stream.set_epoch(0)
     r = iterate(stream, args.seconds, t_start)
     note = f"epoch 0, fills the token cache; {r['batches']:,} batches"
@@ -196,16 +211,15 @@ def stream_rows(args, ds, tok, path, objective, work):
         with contextlib.redirect_stdout(io.StringIO()):
             ds.build_cache(stream)
         note += " (cut at --seconds; rest of the cache filled untimed)"
-    rows[f"stream {objective}, cold"] = {**r, "note": note}
-    stream.set_epoch(1)
-    r = iterate(stream, args.seconds)
-    rows[f"stream {objective}, warm"] = {**r, "note": f"epoch 1, token cache full; {r['batches']:,} batches"
-                                                      + (" (cut at --seconds)" if r["cut"] else "")}
-    off = ds.BertPretrainStream(path, tok, token_cache="none", **common)
-    off.set_epoch(0)
-    r = iterate(off, args.seconds)
-    rows[f"stream {objective}, cache off"] = {**r, "note": f"token_cache='none', epoch 0; {r['batches']:,} batches"
-                                                           + (" (cut at --seconds)" if r["cut"] else "")}
+    rows[f"{name}, cold"] = {**r, "note": note}
+
+    def epoch(stream, number, note):
+        stream.set_epoch(number)
+        r = iterate(stream, args.seconds)
+        return {**r, "note": f"{note}; {r['batches']:,} batches" + (" (cut at --seconds)" if r["cut"] else "")}
+    rows[f"{name}, warm"] = epoch(stream, 1, "epoch 1, token cache full")
+    off = ds.BertPretrainStream(path, tok, token_cache="none", **settings)
+    rows[f"{name}, cache off"] = epoch(off, 0, "token_cache='none', epoch 0")
     return rows
 
 
@@ -304,7 +318,7 @@ def main(argv=None):
     try:
         import data_stream as ds
         info = machine()
-        path = generate(os.path.join(work, "corpus.txt"), args.docs, args.seed)
+        path = common.write_corpus(os.path.join(work, "corpus.txt"), docs=args.docs, seed=args.seed)
         lines = corpus_lines(path)
         t0 = time.perf_counter()
         tok = ds.get_tokenizer(None, [path], args.vocab_size)
@@ -329,8 +343,9 @@ def main(argv=None):
         add({f"bare tokenizer, all {info['nproc']} cores": run_bare(args, tok_dir, path, parallel=True)})
         bare = rows["bare tokenizer, 1 thread"]
         corpus_tokens = None if bare["cut"] else bare["tokens"]
-        for objective in ("nsp", "mlm"):
-            new = stream_rows(args, ds, tok, path, objective, work)
+        paths = formats(path, args.formats.split(","))
+        for objective, (fmt, corpus) in ((o, f) for o in ("nsp", "mlm") for f in paths.items()):
+            new = stream_rows(args, ds, tok, corpus, objective, work, fmt)
             for r in new.values():
                 if corpus_tokens and not r["cut"]:
                     r["note"] += f"; {r['tokens'] / corpus_tokens:.2f} tokens delivered per corpus token"

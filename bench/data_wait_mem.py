@@ -1,28 +1,30 @@
 """
-Data supply vs demand, and memory: short pretrain_ddp.py runs, their data-wait fraction, and the
-peak RSS (VmHWM) of every rank and DataLoader worker.
+Data supply vs demand, and memory (BENCHMARKS.md sections 4, 5 and 10): short pretrain_ddp.py runs, their
+data-wait fraction, and the peak RSS (VmHWM) of every rank and DataLoader worker.
 
-    python bench/data_wait_mem.py                       # tiny: 1 process; 2 ranks x 0, 1, 2 workers; base
-    python bench/data_wait_mem.py --only tiny-1x1 --steps 30
+    python bench/data_wait_mem.py --steps 12 --base-steps 3    # tiny: 1 process; 2 ranks x 0, 1, 2 workers; base
+    python bench/data_wait_mem.py --only tiny-1x1,tiny-2x1 --steps 30
+    python bench/data_wait_mem.py --only tiny-1x1 --steps 10   # a smoke run
 
 Each run is launched (plain python, or torchrun for 2 ranks), and its process tree is polled every
 --poll seconds: /proc/<pid>/status VmHWM is each process's peak resident set, so the last value
-read before it exits is its peak. Ranks are pretrain_ddp.py processes whose parent is not one
-(torchrun's children, or the plain process); workers are pretrain_ddp.py children of a rank.
-train/data_wait is the fraction of a log interval the loop spent waiting for batches; reported:
-the median over the intervals after the first (the first holds the worker start).
+read before it exits is its peak. Ranks are the pretrain_ddp.py processes (not torchrun's agent); DataLoader
+workers the children of a rank's forkserver (the server itself, and the resource tracker, are left out).
+tokens/s: summary.json's steady rate (all ranks). train/data_wait is the fraction of a log interval the loop
+spent waiting for batches (summary.json holds only the whole run's share); reported: the median over the log's
+intervals after the first (the first holds the worker start).
 """
 
 import argparse
 import os
 import re
 import statistics
-import subprocess
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+
 # name: (model size, ranks, workers per rank, batch size)
 RUNS = {"tiny-1x1": ("tiny", 1, 1, 32), "tiny-2x0": ("tiny", 2, 0, 32), "tiny-2x1": ("tiny", 2, 1, 32),
         "tiny-2x2": ("tiny", 2, 2, 32), "base-1x1": ("base", 1, 1, 8), "base-2x1": ("base", 2, 1, 8)}
@@ -60,41 +62,30 @@ def proc_table():
 def run(args, name):
     size, ranks, workers, batch = RUNS[name]
     steps, log_every = (args.base_steps, 1) if size == "base" else (args.steps, args.log_every)
-    flags = ["pretrain_ddp.py", "--model-size", size, "--batch-size", str(batch), "--num-workers", str(workers),
-             "--max-steps", str(steps), "--log-every", str(log_every), "--log-to", "stdout", "--eval-corpus", "none",
-             "--save-every", "1000000", "--out-dir", os.path.join(args.out_dir, name), "--resume", "none",
-             "--overwrite"]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
-        if ranks > 1 else [sys.executable]
-    log = open(os.path.join(args.out_dir, f"{name}.log"), "w+")
-    proc = subprocess.Popen([*launch, *flags], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    flags = ["--model-size", size, "--batch-size", str(batch), "--num-workers", str(workers), "--max-steps",
+             str(steps), "--log-every", str(log_every)]
     peak = {}  # pid -> (role, VmHWM kB)
-    while proc.poll() is None:
+
+    def watch(proc):
         table = proc_table()
         tree = {proc.pid}
         for _ in range(4):  # launcher -> ranks -> workers (a few levels)
             tree |= {pid for pid, (ppid, _, _) in table.items() if ppid in tree}
         for pid in tree & table.keys():
             ppid, cmd, hwm = table[pid]
-            if "pretrain_ddp.py" not in cmd or "torch.distributed.run" in cmd:
-                continue
-            parent_cmd = table.get(ppid, (0, "", 0))[1]
-            role = "worker" if "pretrain_ddp.py" in parent_cmd and "torch.distributed.run" not in parent_cmd \
-                else "rank"
-            peak[pid] = (role, max(hwm, peak.get(pid, ("", 0))[1]))
-        time.sleep(args.poll)
-    log.seek(0)
-    out = log.read()
-    if proc.returncode:
-        sys.exit(f"{name} failed:\n{out[-3000:]}")
-    rows = [(int(m[1]), float(m[2]), float(m[3])) for m in
-            re.finditer(r"^step (\d+): .*train/tokens_per_sec ([\d.e+]+), .*train/data_wait ([\d.e+-]+)", out, re.M)]
-    later = rows[1:] or rows
+            parent = table.get(ppid, (0, "", 0))[1]
+            if "multiprocessing.forkserver" in parent:  # DataLoader workers come from a forkserver per rank
+                peak[pid] = ("worker", max(hwm, peak.get(pid, ("", 0))[1]))
+            elif "pretrain_ddp.py" in cmd and "torch.distributed.run" not in cmd:
+                peak[pid] = ("rank", max(hwm, peak.get(pid, ("", 0))[1]))
+
+    done = common.pretrain(flags, os.path.join(args.out_dir, name), ranks=ranks, watch=watch, every=args.poll,
+                           env=os.environ)
+    waits = [row["train/data_wait"] for row in common.log_steps(done.log) if "train/data_wait" in row]
     mb = {role: [h / 1024 for r, h in peak.values() if r == role] for role in ("rank", "worker")}
     return {"name": name, "size": size, "ranks": ranks, "workers": workers, "batch": batch,
-            "tokens_per_sec": statistics.median([r[1] for r in later]),
-            "data_wait": statistics.median([r[2] for r in later]),
-            "first_wait": rows[0][2], "rank_mb": mb["rank"], "worker_mb": mb["worker"]}
+            "tokens_per_sec": done.summary["tokens_per_sec"], "data_wait": statistics.median(waits[1:] or waits),
+            "first_wait": waits[0], "rank_mb": mb["rank"], "worker_mb": mb["worker"]}
 
 
 def main():

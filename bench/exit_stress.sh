@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 28: do short 2-rank torchrun jobs always end clean under CPU load? Counts exit codes, hangs and
-# "terminate called" aborts over JOBS jobs, with a busy loop on the machine beside them.
+# Issue 28 (BENCHMARKS.md section 14): do short 2-rank torchrun jobs always end clean under CPU load? Counts exit
+# codes, hangs and "terminate called" aborts over JOBS jobs, with a busy loop on the machine beside them.
 #
 #     bash bench/exit_stress.sh                   # 20 plain jobs + 30 with eval (the recorded run)
 #     PLAIN=5 EVAL=5 bash bench/exit_stress.sh    # fewer

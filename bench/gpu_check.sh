@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU check of pretrain_ddp.py on one rented GPU, in under 8 minutes, without network or pip:
+# GPU check of pretrain_ddp.py on one rented GPU, in under 8 minutes, without network or pip (BENCHMARKS.md
+# sections 6 and 16, row 7):
 #
 #     bash bench/gpu_check.sh                # on the GPU machine (from any directory: it cd's to the repository)
 #     bash bench/gpu_check.sh --cpu-smoke    # every row at toy size on the CPU: checks this script anywhere
@@ -370,7 +371,8 @@ def train(model, ranks, parts_of):
         everything = step_batches(step)
         g_masked = sum(int((b["labels"] != -100).sum()) for b in everything)
         window = [M.prepare(M.sparse_targets(dict(b)), device)[0] for b in parts_of(everything)]
-        sums = P.train_step(model, opt, scaler, window, g_masked, BATCH * world, ranks, amp, 1.0, 0.05)[0]
+        sums = P.train_step(P.Trainer(model, model, opt, scaler, amp), window, g_masked, BATCH * world, ranks, 1.0,
+                            0.05).sums
         local = torch.tensor([float(sums[0])], dtype=torch.float64, device=device)  # nccl: on the GPU
         if ranks > 1:
             dist.all_reduce(local)

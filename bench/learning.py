@@ -1,5 +1,6 @@
 """
-Learning verified, not assumed: pretrain_ddp.py vs transformers.Trainer (run_mlm recipe), scored by one evaluator.
+Learning verified, not assumed (BENCHMARKS.md section 11, issues 11 and 29): pretrain_ddp.py vs transformers.Trainer
+(run_mlm recipe), scored by one evaluator.
 
     python bench/learning.py                       # the recorded configuration (BENCHMARKS.md section 11), ~29 min
     python bench/learning.py --quick               # a smoke run: 120 steps, 2 evaluation points, one seed
@@ -14,16 +15,10 @@ LambdaLR, since its built-in linear schedule starts at 0), batch, max_seq_len, d
 
 Ours: `pretrain_ddp.py --objective mlm --tokenizer T --max-steps N --save-every E --keep-last 1000`, one process;
 its checkpoints step_XXXXXX/trainer.pt hold the Hugging Face state_dict ("model").
-Trainer: run_mlm.py's recipe (line_by_line=False) on a dataset of one record per document: each record tokenized
-with [CLS]/[SEP], concatenated in corpus order, cut into max_seq_len blocks (group_texts, remainder dropped),
-shuffled by the Trainer's sampler, DataCollatorForLanguageModeling(mlm_probability=0.15); the model's state_dict is
-saved at the same steps by a callback.
-
-The evaluator (one function, both sides): builtin's held-out split tokenized with the run's tokenizer, each
-document's tokens + [SEP], concatenated, cut into [CLS] + (max_seq_len - 2) + [SEP] windows; 15% of the non-special
-tokens masked 80/10/10 once with a fixed numpy seed (--mask-seed), so every model sees identical masked inputs.
-It reports MLM loss and accuracy at the masked positions, and two baselines from the training split's token counts:
-always predicting the most frequent token (accuracy) and the unigram distribution (loss) -- the plateau.
+Trainer: bench/common.py's worker, run_mlm.py's recipe (line_by_line=False) on a dataset of one record per document
+(or, --trainer-data, other records); its state_dict is saved at the same steps by a callback.
+The evaluator: bench/common.py's (builtin's held-out split, masked once with --mask-seed; baselines: the most
+frequent token's accuracy and the unigram loss -- the plateau).
 
 The tokenizer is trained once by a 1-step run of pretrain_ddp.py and passed to both sides. Every training process
 runs alone with OMP_NUM_THREADS=--threads. Noise: the spread between the two seeds of one side at each step; ours
@@ -36,15 +31,14 @@ import json
 import math
 import os
 import shlex
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+import common  # noqa: E402
 
 
 def parse_args():
@@ -80,10 +74,6 @@ def parse_args():
     p.add_argument("--ours-flags", default="",
                    help="more pretrain_ddp.py flags for our side, to change one thing (e.g. '--shuffle-block 64'); "
                         "give it its own --out-dir with the tokenizer-run and trainer-seed* of the base comparison")
-    p.add_argument("--worker", choices=["trainer"], help=argparse.SUPPRESS)  # internal: one Trainer run
-    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--tokenizer", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.quick:
         args.steps, args.eval_every, args.seeds = 120, 60, "0"
@@ -94,12 +84,6 @@ def parse_args():
 
 def eval_steps(args):
     return [s for s in range(args.eval_every, args.steps + 1, args.eval_every)] or [args.steps]
-
-
-def lr_plan(args):
-    import estimate_steps
-    warmup = estimate_steps.warmup_steps(args.warmup, args.steps)
-    return {"total": args.steps, "warmup": warmup, "decay_from": [warmup, 1.0]}
 
 
 def corpus_paths(args):
@@ -130,9 +114,7 @@ def corpus_flag(args, split):
 
 def split_documents(tok, args, split):
     """Token ids (no special tokens) of each document of --corpus's split, as pretrain_ddp.py's stream reads them."""
-    import data_stream
-    corpus = data_stream.open_corpus(corpus_flag(args, split), split, "mlm")
-    return [data_stream.tokenize_lines(tok, corpus.read(d))[0].tolist() for d in range(corpus.num_docs)]
+    return common.documents(tok, corpus_flag(args, split), split)
 
 
 # ----------------------------------------------------------------------------- the tokenizer (ours, once)
@@ -141,12 +123,8 @@ def make_tokenizer(args, env):
     run_dir = os.path.join(args.out_dir, "tokenizer-run")
     tok_dir = os.path.join(run_dir, "tokenizer")
     if not os.path.isdir(tok_dir):
-        cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--max-steps", "1",
-               "--corpus", corpus_flag(args, "train"), "--eval-corpus", "none", "--log-to", "stdout", "--out-dir",
-               run_dir, "--resume", "none", "--overwrite"]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-        if out.returncode:
-            sys.exit(f"pretrain_ddp.py (tokenizer run) failed:\n{out.stderr[-3000:]}")
+        common.pretrain(["--objective", "mlm", "--max-steps", "1", "--corpus", corpus_flag(args, "train")], run_dir,
+                        env=env)
     return tok_dir
 
 
@@ -163,178 +141,53 @@ def epochs_needed(args, tok_dir):
 
 
 def run_ours(args, seed, tok_dir, run_dir, env):
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--objective", "mlm", "--corpus",
-           corpus_flag(args, "train"), "--eval-corpus", corpus_flag(args, "eval"), "--model-size", args.model_size,
-           "--tokenizer", tok_dir, "--batch-size", str(args.batch_size), "--max-seq-len",
-           str(args.max_seq_len), "--lr", str(args.lr), "--warmup", str(args.warmup), "--weight-decay",
-           str(args.weight_decay), "--dropout", str(args.dropout), "--clip", "1.0", "--seed", str(seed),
-           "--max-steps", str(args.steps), "--epochs", str(epochs_needed(args, tok_dir)),
-           "--save-every", str(args.eval_every), "--keep-last", "1000", "--eval-every", str(args.steps),
-           "--log-every", str(args.eval_every), "--log-to", "stdout", "--out-dir", run_dir, "--resume", "none",
-           "--overwrite", *shlex.split(args.ours_flags)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if out.returncode:
-        sys.exit(f"pretrain_ddp.py failed:\n{out.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    assert summary["steps"] == args.steps, summary["steps"]
+    flags = ["--objective", "mlm", "--corpus", corpus_flag(args, "train"), "--eval-corpus", corpus_flag(args, "eval"),
+             "--model-size", args.model_size, "--tokenizer", tok_dir, "--batch-size", str(args.batch_size),
+             "--max-seq-len", str(args.max_seq_len), "--lr", str(args.lr), "--warmup", str(args.warmup),
+             "--weight-decay", str(args.weight_decay), "--dropout", str(args.dropout), "--clip", "1.0", "--seed",
+             str(seed), "--max-steps", str(args.steps), "--epochs", str(epochs_needed(args, tok_dir)),
+             "--save-every", str(args.eval_every), "--keep-last", "1000", "--eval-every", str(args.steps),
+             "--log-every", str(args.eval_every), *shlex.split(args.ours_flags)]
+    steps = common.pretrain(flags, run_dir, env=env).summary["steps"]
+    assert steps == args.steps, steps
     return {s: os.path.join(run_dir, "checkpoints", f"step_{s:06d}", "trainer.pt") for s in eval_steps(args)}
 
 
 # ----------------------------------------------------------------------------- Trainer (run_mlm recipe)
 
-def trainer_worker(args):
-    import torch
-    from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
-
-    import data_stream
-    import pretrain_ddp
-    tok = data_stream.get_tokenizer(args.tokenizer)
-    # run_mlm.py, line_by_line=False, one record per document: tokenize (with [CLS]/[SEP]), concatenate, cut
-    if args.trainer_data.startswith("blocks"):
-        docs = split_documents(tok, args, "train")
-        if args.trainer_data == "blocks-random-docs":
-            docs = [docs[i] for i in np.random.default_rng(args.seed).permutation(len(docs))]
-        ids = [t for doc in docs for t in [tok.cls_token_id, *doc, tok.sep_token_id]]
-        n = args.max_seq_len
-        blocks = [{"input_ids": ids[i:i + n], "token_type_ids": [0] * n, "attention_mask": [1] * n}
-                  for i in range(0, len(ids) // n * n, n)]
-    else:  # our default flags' windows (not --ours-flags)
-        blocks = our_windows(tok, args, shuffled=args.trainer_data == "ours-shuffled")
-    torch.manual_seed(args.seed)  # as pretrain_ddp.py: the seed, then the model (same initial weights)
-    architecture = pretrain_ddp.new_architecture(args.model_size, len(tok), args.max_seq_len, tok.pad_token_id)
-    model = pretrain_ddp.model_from(architecture, "mlm", args.dropout)
-    # pretrain_ddp.py's optimizer groups and settings, and its LR plan (the Trainer's linear schedule starts at 0)
-    named = list(model.named_parameters())
-    decay = [p for name, p in named if p.ndim >= 2 and "LayerNorm" not in name]
-    no_decay = [p for name, p in named if p.ndim < 2 or "LayerNorm" in name]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98),
-                                  eps=1e-6, fused=True)
-    plan = lr_plan(args)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: pretrain_ddp.lr_factor(plan, s))
-    save_at = set(eval_steps(args))
-    os.makedirs(args.run_dir, exist_ok=True)
-
-    class Save(TrainerCallback):
-        def on_step_end(self, targs, state, control, model=None, **kw):
-            if state.global_step in save_at:
-                torch.save({"model": model.state_dict()},
-                           os.path.join(args.run_dir, f"step_{state.global_step:06d}.pt"))
-
-    targs = TrainingArguments(
-        output_dir=os.path.join(args.run_dir, "trainer_tmp"), per_device_train_batch_size=args.batch_size,
-        max_steps=args.steps, learning_rate=args.lr, weight_decay=args.weight_decay, adam_beta1=0.9,
-        adam_beta2=0.98, adam_epsilon=1e-6, max_grad_norm=1.0, use_cpu=True, dataloader_num_workers=0,
-        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, seed=args.seed)
-    class InOrder(Trainer):  # our windows come in our order: no sampler of its own
-        def _get_train_sampler(self, train_dataset=None):
-            return torch.utils.data.SequentialSampler(train_dataset or self.train_dataset)
-
-    trainer = (Trainer if args.trainer_data.startswith("blocks") else InOrder)(
-        model=model, args=targs, train_dataset=blocks, optimizers=(optimizer, scheduler),
-                      data_collator=DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15),
-                      callbacks=[Save()])
-    t0 = time.perf_counter()
-    trainer.train()
-    print(json.dumps({"time_s": time.perf_counter() - t0, "blocks": len(blocks), "threads": torch.get_num_threads(),
-                      "final_lr": scheduler.get_last_lr()[0]}))
+def run_trainer(args, seed, tok_dir, run_dir, env):
+    """bench/common.py's Trainer worker on --trainer-data, its weights saved at the evaluation steps."""
+    spec = {"tokenizer": tok_dir, "size": args.model_size, "seed": seed, "batch_size": args.batch_size,
+            "max_seq_len": args.max_seq_len, "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay,
+            "dropout": args.dropout, "steps": args.steps, "save_steps": eval_steps(args),
+            "corpus": corpus_flag(args, "train"), "in_order": not args.trainer_data.startswith("blocks")}
+    if args.trainer_data == "blocks-random-docs":  # neighbours in a block then are unrelated, as in our windows
+        spec["doc_order"] = "random"
+    elif not args.trainer_data.startswith("blocks"):  # our default flags' windows (not --ours-flags)
+        os.makedirs(run_dir, exist_ok=True)
+        spec["rows"] = os.path.join(run_dir, "rows.json")
+        with open(spec["rows"], "w") as f:
+            json.dump(our_windows(args, seed, tok_dir, shuffled=args.trainer_data == "ours-shuffled"), f)
+    result = common.trainer_run(spec, run_dir, env)
+    return {m["step"]: m["file"] for m in result["marks"]}
 
 
-def our_windows(tok, args, shuffled):
+def our_windows(args, seed, tok_dir, shuffled):
     """pretrain_ddp.py's mlm windows of this seed, epoch after epoch in its order (one shard: 1 rank x 1 worker,
-    as run_ours) or shuffled within each epoch, unmasked (mask_prob 0), as Trainer records."""
+    as run_ours) or shuffled within each epoch, unmasked (mask_prob 0): token id lists, the Trainer's records."""
     import data_stream
-    stream = data_stream.BertPretrainStream(corpus_flag(args, "train"), tok, objective="mlm",
-                                            batch_size=args.batch_size, max_seq_len=args.max_seq_len, mask_prob=0.0,
-                                            seed=args.seed)
-    rows, rng = [], np.random.default_rng(args.seed)
-    for epoch in range(epochs_needed(args, args.tokenizer)):
+    stream = data_stream.BertPretrainStream(corpus_flag(args, "train"), data_stream.get_tokenizer(tok_dir),
+                                            objective="mlm", batch_size=args.batch_size,
+                                            max_seq_len=args.max_seq_len, mask_prob=0.0, seed=seed)
+    rows, rng = [], np.random.default_rng(seed)
+    for epoch in range(epochs_needed(args, tok_dir)):
         stream.set_epoch(epoch)
         epoch_rows = []
         for batch in stream:
             for ids, mask in zip(batch["input_ids"], batch["attention_mask"], strict=True):
-                row = ids[mask.bool()].tolist()
-                epoch_rows.append({"input_ids": row, "token_type_ids": [0] * len(row),
-                                   "attention_mask": [1] * len(row)})
+                epoch_rows.append(ids[mask.bool()].tolist())
         rows += [epoch_rows[i] for i in rng.permutation(len(epoch_rows))] if shuffled else epoch_rows
     return rows
-
-
-def run_trainer(args, seed, tok_dir, run_dir, env):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "trainer", "--seed", str(seed), "--tokenizer",
-           tok_dir, "--run-dir", run_dir]
-    for flag in ("corpus", "out_dir", "model_size", "lr", "batch_size", "max_seq_len", "steps", "eval_every", "warmup",
-                 "weight_decay", "dropout", "trainer_data"):
-        cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
-    if out.returncode:
-        sys.exit(f"Trainer run failed:\n{out.stderr[-3000:]}")
-    return {s: os.path.join(run_dir, f"step_{s:06d}.pt") for s in eval_steps(args)}
-
-
-# ----------------------------------------------------------------------------- the evaluator
-
-class Evaluator:
-    """Held-out windows masked once (fixed seed) + baselines; score(state_dict or HF folder) -> loss, accuracy."""
-
-    def __init__(self, tok_dir, args, mask_prob=0.15, batch_size=32):
-        import numpy as np
-        import torch
-
-        import data_stream
-        self.tok = tok = data_stream.get_tokenizer(tok_dir)
-        max_seq_len, seed = args.max_seq_len, args.mask_seed
-        self.max_seq_len, self.batch_size = max_seq_len, batch_size
-        stream = [t for doc in split_documents(tok, args, "eval") for t in [*doc, tok.sep_token_id]]
-        width = max_seq_len - 2
-        rows = [[tok.cls_token_id, *stream[i:i + width], tok.sep_token_id]
-                for i in range(0, len(stream) // width * width, width)]
-        ids = np.array(rows, np.int64)
-        special = np.isin(ids, tok.all_special_ids)
-        rng = np.random.default_rng(seed)
-        chosen = (rng.random(ids.shape) < mask_prob) & ~special
-        how = rng.random(ids.shape)
-        normal = np.setdiff1d(np.arange(len(tok)), tok.all_special_ids)
-        labels = np.where(chosen, ids, -100)
-        ids[chosen & (how < 0.8)] = tok.mask_token_id
-        swap = chosen & (how >= 0.8) & (how < 0.9)
-        ids[swap] = rng.choice(normal, int(swap.sum()))
-        self.ids, self.labels = torch.from_numpy(ids), torch.from_numpy(labels)
-        targets = labels[labels != -100]
-        counts = np.bincount([t for doc in split_documents(tok, args, "train") for t in doc], minlength=len(tok))
-        probs = (counts + 1) / (counts + 1).sum()  # add-one: every target has some probability
-        self.info = {"windows": len(rows), "masked": len(targets), "eval_tokens": len(stream),
-                     "most_frequent_token": tok.convert_ids_to_tokens(int(counts.argmax())),
-                     "most_frequent_accuracy": float((targets == counts.argmax()).mean()),
-                     "unigram_loss": float(-np.log(probs[targets]).mean())}
-
-    def score(self, weights, model_size):
-        import torch
-        from transformers import BertForMaskedLM
-
-        import pretrain_ddp
-        if isinstance(weights, str) and os.path.isdir(weights):
-            model = BertForMaskedLM.from_pretrained(weights)
-        else:
-            state = torch.load(weights, map_location="cpu", weights_only=True)["model"] \
-                if isinstance(weights, str) else weights
-            architecture = pretrain_ddp.new_architecture(model_size, len(self.tok), self.max_seq_len,
-                                                         self.tok.pad_token_id)
-            model = pretrain_ddp.model_from(architecture, "mlm", 0.0)
-            model.load_state_dict(state)
-        model.eval()
-        loss_sum, correct = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, len(self.ids), self.batch_size):
-                ids, labels = self.ids[i:i + self.batch_size], self.labels[i:i + self.batch_size]
-                hidden = model.bert(input_ids=ids, token_type_ids=torch.zeros_like(ids)).last_hidden_state
-                picked = labels != -100
-                logits = model.cls(hidden[picked]).double()
-                loss_sum += float(torch.nn.functional.cross_entropy(logits, labels[picked], reduction="sum"))
-                correct += int((logits.argmax(-1) == labels[picked]).sum())
-        masked = int((self.labels != -100).sum())
-        return {"loss": loss_sum / masked, "accuracy": correct / masked}
 
 
 # ----------------------------------------------------------------------------- the data order
@@ -386,20 +239,20 @@ def fmt_pair(values, key, pct):
 
 
 def main():
+    import estimate_steps
     args = parse_args()
-    if args.worker == "trainer":
-        return trainer_worker(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     sides = args.sides.split(",")
     assert set(sides) <= {"ours", "trainer"} and args.eval_every >= 1 and args.steps >= 1
     os.makedirs(args.out_dir, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = common.environment(args.threads)
     tok_dir = make_tokenizer(args, env)
     if args.order_table:
         return order_table(args, tok_dir)
+    warmup = estimate_steps.warmup_steps(args.warmup, args.steps)
     print(f"BERT-{args.model_size}, lr {args.lr}, batch {args.batch_size} x seq {args.max_seq_len}, {args.steps} "
-          f"steps (warmup {lr_plan(args)['warmup']}), eval at {eval_steps(args)}, seeds {seeds}, "
-          f"{args.threads} thread(s) per run", flush=True)
+          f"steps (warmup {warmup}), eval at {eval_steps(args)}, seeds {seeds}, {args.threads} thread(s) per run",
+          flush=True)
     saved, minutes = {}, {}
     for side in sides:
         for seed in seeds:
@@ -419,7 +272,8 @@ def main():
             minutes[side, seed] = (time.perf_counter() - t0) / 60
             saved[side, seed] = paths
             print(f"  {side} seed {seed}: {minutes[side, seed]:.1f} min", flush=True)
-    evaluator = Evaluator(tok_dir, args)
+    evaluator = common.Evaluator(tok_dir, corpus_flag(args, "train"), corpus_flag(args, "eval"), args.max_seq_len,
+                                 args.mask_seed)
     info = evaluator.info
     scores = {key: {s: evaluator.score(p, args.model_size) for s, p in paths.items()} for key, paths in saved.items()}
     rows, verdicts = [], []

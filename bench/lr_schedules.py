@@ -1,10 +1,13 @@
 """
 The LR schedules of pretrain_ddp.py drawn from its own plan functions (plan_of, lr_factor, replan): linear, cosine and
 wsd over one plan; a wsd plan extended by a resume in its stable phase; a decay branched off a stable checkpoint
-with --init-from CKPT --schedule wsd --warmup 0 --decay 1. Writes bench/lr_schedules.png (needs matplotlib).
+with --init-from CKPT --schedule wsd --warmup 0 --decay 1. Writes bench/lr_schedules.png (needs matplotlib), the figure
+of BENCHMARKS.md section 17.
 
     python bench/lr_schedules.py
+    python bench/lr_schedules.py --out /tmp/lr_schedules.png     # a smoke run
 """
+import argparse
 import os
 import sys
 from types import SimpleNamespace
@@ -24,6 +27,9 @@ def curve(plan, start, end):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(HERE, "lr_schedules.png"), help="the PNG")
+    args = p.parse_args()
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -45,9 +51,8 @@ def main():
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    path = os.path.join(HERE, "lr_schedules.png")
-    fig.savefig(path, dpi=90)
-    print(f"wrote {path}")
+    fig.savefig(args.out, dpi=90)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """
-Where a training step's CPU time goes, by kind of operator, and how close it runs to the hardware.
+Where a training step's CPU time goes, by kind of operator, and how close it runs to the hardware (BENCHMARKS.md
+section 12).
 
     python bench/profile_step.py                        # BERT-mini mlm, vocab 8192, 32 x 128, 2 threads
-    python bench/profile_step.py --model-size tiny --threads 1
+    python bench/profile_step.py --model-size tiny --threads 1 --steps 2 --profile-steps 1   # a smoke run
 
 One pretrain_ddp.train_step (forward, backward, clipping, fused AdamW) on packed mlm batches built
 by the stream (15% masked, no padding: the model gets no attention mask), timed over --steps after
@@ -78,15 +79,11 @@ def main():
     torch.manual_seed(0)
     architecture = M.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id)
     model = M.Pretraining(M.model_from(architecture, "mlm", args.dropout))
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "LayerNorm" not in n]
-    rest = [p for n, p in model.named_parameters() if p.ndim < 2 or "LayerNorm" in n]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                                  lr=1e-4, betas=(0.9, 0.98), eps=1e-6, fused=True)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    trainer = P.Trainer(model, model, M.new_optimizer(model, 1e-4, 0.01), torch.amp.GradScaler("cpu", enabled=False),
+                        contextlib.nullcontext())
 
     def step(batch, counts):
-        P.train_step(model, optimizer, scaler, [batch], counts["num_masked"], counts["num_samples"], 1,
-                     contextlib.nullcontext(), 1.0, 1e-4)
+        P.train_step(trainer, [batch], counts["num_masked"], counts["num_samples"], 1, 1.0, 1e-4)
 
     for batch, counts in batches[:args.warmup]:
         step(batch, counts)

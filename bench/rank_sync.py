@@ -1,14 +1,16 @@
 """
-The cost of pretrain_ddp.py's one control all_reduce per optimizer step, as a % of the step time.
+The cost of pretrain_ddp.py's one control all_reduce per optimizer step, as a % of the step time (BENCHMARKS.md
+section 2).
 
-    python bench/rank_sync.py                       # 2 ranks (gloo, CPU), accum 1, 2, 4
+    python bench/rank_sync.py --steps 6 --repeats 2            # 2 ranks (gloo, CPU), accum 1, 2, 4: the recorded run
     python bench/rank_sync.py --accums 1 --model-size mini --repeats 3
+    python bench/rank_sync.py --accums 1 --steps 5 --calls 200 --repeats 1     # a smoke run
 
 Two measurements, alternated --repeats times, each in fresh `torchrun --nproc_per_node N` processes:
 - sync: what `all_reduce_ctrl` does, timed --calls times in a loop: a 6-element float64 CPU
   tensor built from a list, all_reduce (SUM, gloo), .tolist(). Per-call time = median of blocks.
-- step: a real `pretrain_ddp.py` run (--max-steps, --log-every 1); the optimizer-step time is read
-  from its per-step log lines after --warmup steps (samples per step / train/samples_per_sec).
+- step: a real `pretrain_ddp.py` run of pretrain_ddp.STEADY_AFTER + --steps steps; the optimizer-step time is
+  summary.json's steady rate (the steps after the first STEADY_AFTER: worker start, first steps).
 The sync measured alone is the protocol's own cost; inside a run the same call also absorbs the
 ranks' skew (the faster rank waits), which is load imbalance, not the cost of the call.
 """
@@ -22,7 +24,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+
+from pretrain_ddp import STEADY_AFTER  # noqa: E402  the steps its steady rates leave out
 
 
 def parse_args():
@@ -33,8 +38,7 @@ def parse_args():
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--objective", default="nsp", help="pretrain_ddp.py's default: nsp")
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per run")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=8, help=f"timed optimizer steps per run (after {STEADY_AFTER})")
     p.add_argument("--calls", type=int, default=2000, help="control all_reduces timed per sync measurement")
     p.add_argument("--repeats", type=int, default=2, help="alternating sync/step pairs")
     p.add_argument("--out-dir", default="/tmp/bert_ddp_bench/rank_sync")
@@ -67,7 +71,7 @@ def sync_worker(args):
 def torchrun(args, script_args, port):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
            str(port), *script_args]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT, env=common.environment(1))
     if out.returncode:
         sys.exit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
     return out.stdout
@@ -79,19 +83,13 @@ def measure_sync(args, port):
     return median
 
 
-def measure_step(args, accum, port):
-    """Seconds per optimizer step of a real run, after the warmup steps."""
-    run_dir = os.path.join(args.out_dir, f"run-accum{accum}")
-    out = torchrun(args, ["pretrain_ddp.py", "--model-size", args.model_size, "--objective", args.objective,
-                          "--batch-size", str(args.batch_size), "--accum-steps", str(accum),
-                          "--max-steps", str(args.warmup + args.steps), "--log-every", "1", "--log-to", "stdout",
-                          "--eval-corpus", "none", "--save-every", "1000000", "--out-dir", run_dir,
-                          "--resume", "none", "--overwrite"], port)
-    samples_per_step = args.batch_size * accum * args.nproc  # full micro-batches: the epoch is far from over
-    times = [samples_per_step / float(m[2]) for m in
-             re.finditer(r"^step (\d+): .*train/samples_per_sec ([\d.e+]+)", out, re.M)
-             if int(m[1]) > args.warmup]
-    return sum(times) / len(times)
+def measure_step(args, accum):
+    """Seconds per optimizer step of a real run, after its first STEADY_AFTER steps."""
+    flags = ["--model-size", args.model_size, "--objective", args.objective, "--batch-size", str(args.batch_size),
+             "--accum-steps", str(accum), "--max-steps", str(STEADY_AFTER + args.steps)]
+    done = common.pretrain(flags, os.path.join(args.out_dir, f"run-accum{accum}"), ranks=args.nproc, threads=1)
+    assert done.summary["steady_from_step"] == STEADY_AFTER, done.summary["steady_from_step"]
+    return 3600 / done.summary["steps_per_hour"]
 
 
 def main():
@@ -106,8 +104,7 @@ def main():
         sync_us.append(measure_sync(args, port))
         print(f"repeat {r}: control all_reduce {sync_us[-1]:.1f} us/call", flush=True)
         for a in accums:
-            port += 1
-            step_s[a].append(measure_step(args, a, port))
+            step_s[a].append(measure_step(args, a))
             print(f"repeat {r}: accum {a}: {step_s[a][-1] * 1e3:.1f} ms/optimizer step", flush=True)
     s = statistics.median(sync_us)
     print(f"\n{args.nproc} ranks, gloo, BERT-{args.model_size} {args.objective}, batch {args.batch_size}/rank; "

@@ -1,48 +1,40 @@
 """
-Scaling on one box: 2 ranks x 1 thread (torchrun, gloo) vs 1 process x 2 threads, same global batch.
+Scaling on one box (BENCHMARKS.md section 8): 2 ranks x 1 thread (torchrun, gloo) vs 1 process x 2 threads, the
+same global batch.
 
-    python bench/scaling.py --steps 40 --repeats 3
+    python bench/scaling.py --steps 40 --repeats 3        # the recorded run
+    python bench/scaling.py --steps 10 --repeats 1        # a smoke run
 
-Alternates the two, one fresh run each; tokens/s are the median of each run's log intervals after the
-first (worker start and first steps left out). Prints the per-repeat ratio and its median.
+Alternates the two, one fresh run each; tokens/s are summary.json's steady rate (after pretrain_ddp.STEADY_AFTER
+steps: worker start and first steps left out). Prints the per-repeat ratio and its median.
 """
 import argparse
 import os
-import re
-import statistics
-import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def steady_tokens_per_sec(cmd, threads):
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
-                         env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
-    rates = [float(x) for x in re.findall(r"train/tokens_per_sec (\S+),", out)]
-    return statistics.median(rates[1:])
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common  # noqa: E402
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip())
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run")
     p.add_argument("--repeats", type=int, default=3, help="alternating pairs")
     p.add_argument("--model-size", default="tiny")
+    p.add_argument("--out-dir", default="/tmp/bert_ddp_bench/scaling")
     args = p.parse_args()
-    common = ["pretrain_ddp.py", "--model-size", args.model_size, "--max-steps", str(args.steps), "--log-every", "5",
-              "--log-to", "stdout", "--eval-corpus", "none", "--save-every", "100000"]
+    flags = ["--model-size", args.model_size, "--max-steps", str(args.steps), "--log-every", "5"]
     ratios = []
     for r in range(args.repeats):
-        one = steady_tokens_per_sec([sys.executable, *common, "--batch-size", "64", "--out-dir",
-                                     f"/tmp/bert_ddp_bench/scaling/one{r}", "--overwrite", "--resume", "none"], 2)
-        two = steady_tokens_per_sec([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     "--nproc_per_node", "2", *common, "--batch-size", "32", "--out-dir",
-                                     f"/tmp/bert_ddp_bench/scaling/two{r}", "--overwrite", "--resume", "none"], 1)
+        one = common.pretrain([*flags, "--batch-size", "64"], os.path.join(args.out_dir, f"one{r}"), threads=2)
+        two = common.pretrain([*flags, "--batch-size", "32"], os.path.join(args.out_dir, f"two{r}"), ranks=2,
+                              threads=1)
+        one, two = one.summary["tokens_per_sec"], two.summary["tokens_per_sec"]
         ratios.append(two / one)
         print(f"repeat {r}: 1 process x 2 threads {one:,.0f} tokens/s, 2 ranks x 1 thread {two:,.0f} tokens/s, "
               f"ratio {two / one:.2f}", flush=True)
-    print(f"2 ranks x 1 thread / 1 process x 2 threads: median {statistics.median(ratios):.2f} "
-          f"[{min(ratios):.2f}-{max(ratios):.2f}]")
+    print(f"2 ranks x 1 thread / 1 process x 2 threads: {common.spread(ratios, '{:.2f}')}")
 
 
 if __name__ == "__main__":

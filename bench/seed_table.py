@@ -1,8 +1,11 @@
 """
-The four configurations of the original FARM speed measurement, on whatever hardware this is.
+The four configurations of the original FARM speed measurement, on whatever hardware this is (BENCHMARKS.md
+section 3).
 
     python bench/seed_table.py                       # BERT-tiny, 20 optimizer steps each
+    python bench/seed_table.py --steps 12            # the recorded table
     python bench/seed_table.py --model-size base --steps 5 --batch-size 8
+    python bench/seed_table.py --only ab --steps 3   # a smoke run
 
 (a) one process, gradient accumulation (--accum-steps 3, no DataLoader workers)
 (b) DDP, --nproc ranks, --amp (no workers)
@@ -12,18 +15,17 @@ Each row is one pretrain_ddp.py run; its summary.json gives the iterations, the 
 (the whole training loop: the DataLoader start and the first steps included) and the steady
 steps/hour (after the first 5 steps, without eval and saves; `steady_from_step`). Projected
 total = the reference job (500k steps at effective batch 945, i.e. 500000 x 945 samples) at
-this run's samples/hour: 500000 * 945 / effective batch / steps per hour.
+this run's samples/hour: 500000 * 945 / effective batch / steps per hour. The dtype is the run's config line's.
 """
 
 import argparse
-import json
 import os
-import re
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+import common  # noqa: E402
+
 REFERENCE_SAMPLES = 500_000 * 945
 
 
@@ -43,21 +45,11 @@ def parse_args():
 
 
 def run(args, name, ranks, accum, amp, workers):
-    run_dir = os.path.join(args.out_dir, name)
     flags = ["--model-size", args.model_size, "--batch-size", str(args.batch_size), "--max-seq-len",
              str(args.max_seq_len), "--accum-steps", str(accum), "--max-steps", str(args.steps), "--num-workers",
-             str(workers), "--log-to", "stdout", "--eval-corpus", "none", "--save-every", "1000000",
-             "--out-dir", run_dir, "--resume", "none", "--overwrite", *(["--amp"] if amp else []), *args.extra.split()]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)] \
-        if ranks > 1 else [sys.executable]
-    out = subprocess.run([*launch, "pretrain_ddp.py", *flags], capture_output=True, text=True, cwd=ROOT)
-    if out.returncode:
-        sys.exit(f"({name}) failed:\n{out.stderr[-3000:]}")
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        summary = json.load(f)
-    amp_dtype = re.search(r'"amp_dtype": "(\w+)"', out.stdout)[1]
-    warned = "training in fp32" in out.stderr
-    return summary, amp_dtype, warned
+             str(workers), *(["--amp"] if amp else []), *args.extra.split()]
+    done = common.pretrain(flags, os.path.join(args.out_dir, name), ranks=ranks, env=os.environ)
+    return done.summary, common.config_of(done.log)["amp_dtype"], "training in fp32" in done.log
 
 
 def main():
