@@ -1,14 +1,12 @@
-"""Training for a time budget and the LR schedules (issue 38). Every process is bounded by a timeout."""
+"""Training for a time budget and the LR plans: the schedules, a re-plan when a resume moves the end (issues 38,
+44). Every process is bounded by a timeout."""
 import json
 import os
 import re
 import shutil
-import sys
 
 import pytest
-import torch
-from test_checkpoints import common, final_weights, run_until
-from test_pretrain_ddp import logged, summary
+from conftest import common, final_weights, logged, plain, run, same_weights, summary
 
 import estimate_steps
 import pretrain_ddp as P
@@ -18,7 +16,7 @@ class Flags:
     warmup, schedule, decay, epochs, max_steps, budget = 0.1, "linear", 0.2, 2, None, None
 
 
-def test_schedules_cosine_and_wsd_and_their_extensions():
+def test_cosine_and_wsd_schedules_end_at_0_and_a_moved_end_never_raises_the_lr():
     """linear/cosine fall from the end of warmup to 0 at the total; wsd holds the peak until its last
     --decay, then falls linearly to 0. A resume that moves the end: a wsd plan in its stable phase keeps
     the peak and decays over the new end's last 20%; a decaying plan goes on from today's LR; the LR
@@ -47,7 +45,30 @@ def test_schedules_cosine_and_wsd_and_their_extensions():
     Flags.epochs, Flags.schedule = 2, "linear"
 
 
-def test_durations_and_the_estimator_s_time_answer(tmp_path):
+def test_a_replanned_lr_continues_from_today_s_value_and_never_rises():
+    """A resume that moves the end of a linear plan (more epochs; --max-steps at twice the batch; fewer steps)
+    goes on from the LR of today's position down to 0, never up; during the warmup the warmup is kept."""
+    plan = P.LRPlan(total=100, warmup=10, batch=64, steps_per_epoch=50.0, decay_from=(10, 1.0))
+    curve = [P.lr_factor(plan, pos) for pos in range(101)]
+    assert curve[0] == 0.1 and curve[9] == 1.0 and curve[10] == 1.0 and curve[55] == 0.5 and curve[100] == 0.0
+    at_60 = P.lr_factor(plan, 60)
+
+    class Flags:
+        epochs, max_steps, budget = 2, None, None
+
+    # at plan position 60: more epochs; --max-steps at twice the planned batch (a step counts 2); fewer steps
+    for epochs, max_steps, step, batch, total in ((4, None, 60, 64, 200), (2, 70, 55, 128, 90), (2, 65, 60, 64, 65)):
+        Flags.epochs, Flags.max_steps = epochs, max_steps
+        new = P.replan(plan, 60, step, Flags, batch)
+        assert new.total == total
+        after = [P.lr_factor(new, pos) for pos in range(60, 301)]
+        assert after[0] == pytest.approx(at_60)  # continues from today's LR...
+        assert all(a >= b for a, b in zip(after, after[1:], strict=False)) and after[-1] == 0  # ...to 0, never up
+    Flags.epochs, Flags.max_steps = 2, None  # during warmup the warmup is kept
+    assert P.lr_factor(P.replan(plan, 5, 5, Flags, 64), 5) == curve[5]
+
+
+def test_durations_parse_and_the_estimator_says_which_limit_ends_the_run(tmp_path):
     assert [estimate_steps.duration(t) for t in ("6h", "90m", "45s", "1h30m", "0.5h")] == [21600, 5400, 45, 5400,
                                                                                           1800]
     for bad in ("", "6", "h", "-1h", "0s", "6 hours"):
@@ -62,13 +83,6 @@ def test_durations_and_the_estimator_s_time_answer(tmp_path):
     assert estimate_steps.time_answer(1000, 0.5, 60)["limit"] == "budget"
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tokenizer, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tok"))
-    tokenizer.save_pretrained(path)
-    return path
-
-
 BUDGET = ["--budget", "20s", "--epochs", "50", "--num-workers", "0", "--save-every", "20", "--keep-last", "1000",
           "--log-every", "1"]
 
@@ -81,7 +95,7 @@ def test_a_budget_run_ends_on_its_budget_and_resumes_bitwise(tmp_path, corpus, t
     its first checkpoint in a copy of its out dir (what a SIGKILL there leaves; the kill itself:
     test_checkpoints), with no new calibration, it ends bitwise equal to the uninterrupted run."""
     out = str(tmp_path / "budget")
-    rc, stdout, err = run_until([sys.executable, *common(corpus, tok_dir, out), *BUDGET])
+    rc, stdout, err = run(plain(*common(corpus, tok_dir, out), *BUDGET))
     assert rc == 0, err[-3000:]
     s = summary(out)
     budget, plan = s["budget"], s["lr_plan"]
@@ -99,11 +113,10 @@ def test_a_budget_run_ends_on_its_budget_and_resumes_bitwise(tmp_path, corpus, t
             shutil.rmtree(os.path.join(killed, "checkpoints", name))
     with open(os.path.join(killed, "checkpoints", "latest"), "w") as f:
         f.write("step_000020")
-    rc, stdout, err = run_until([sys.executable, *common(corpus, tok_dir, killed), *BUDGET])
+    rc, stdout, err = run(plain(*common(corpus, tok_dir, killed), *BUDGET))
     assert rc == 0 and "resumed from" in stdout and "the calibration took" in stdout, err[-3000:]
     assert summary(killed)["steps"] == s["steps"]
-    a, b = final_weights(out), final_weights(killed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(final_weights(out), final_weights(killed))
 
 
 @pytest.mark.slow
@@ -114,21 +127,21 @@ def test_wsd_extends_in_its_stable_phase_and_a_decay_branches_off_with_init_from
     and falls linearly to 0 over its 10 steps."""
     out = str(tmp_path / "wsd")
     args = [*common(corpus, tok_dir, out), "--schedule", "wsd", "--lr", "1e-3", "--warmup", "0.1", "--save-every",
-            "4", "--keep-last", "10", "--num-workers", "0"]
-    rc, stdout, err = run_until([sys.executable, *args, "--max-steps", "20"])
+            "4", "--keep-last", "10"]
+    rc, stdout, err = run(plain(*args, "--max-steps", "20"))
     assert rc == 0, err[-3000:]
     lr = logged(stdout, "train/lr")
     assert lr[2] == pytest.approx(1e-3) and lr[17] == pytest.approx(1e-3) and lr[18] < 1e-3 and lr[20] < lr[19]
-    rc, stdout, err = run_until([sys.executable, *args, "--max-steps", "40", "--resume",
-                                 os.path.join(out, "checkpoints", "step_000012")])
+    rc, stdout, err = run(plain(*args, "--max-steps", "40", "--resume",
+                                os.path.join(out, "checkpoints", "step_000012")))
     assert rc == 0 and "resumed from" in stdout, err[-3000:]
     lr = logged(stdout, "train/lr")
     assert min(lr.values()) == lr[40] and lr[40] == pytest.approx(1e-3 / 8)  # step 40 runs at position 39
     assert all(lr[k] == pytest.approx(1e-3) for k in range(13, 34)) and lr[34] < 1e-3
     branch = str(tmp_path / "branch")
-    rc, stdout, err = run_until([sys.executable, *common(corpus, tok_dir, branch), "--init-from",
-                                 os.path.join(out, "checkpoints", "step_000012"), "--schedule", "wsd", "--decay", "1",
-                                 "--warmup", "0", "--lr", "1e-3", "--max-steps", "10", "--num-workers", "0"])
+    rc, stdout, err = run(plain(*common(corpus, tok_dir, branch), "--init-from",
+                                os.path.join(out, "checkpoints", "step_000012"), "--schedule", "wsd", "--decay", "1",
+                                "--warmup", "0", "--lr", "1e-3", "--max-steps", "10"))
     assert rc == 0, err[-3000:]
     lr = logged(stdout, "train/lr")
     assert [round(lr[k] / 1e-4, 6) for k in range(1, 11)] == [10, 9, 8, 7, 6, 5, 4, 3, 2, 1]

@@ -1,6 +1,5 @@
 """Checkpoints: atomic saves, exact resume after SIGKILL, damaged checkpoints, torchrun restarts,
 safe loading, Hugging Face export. Every process is bounded by a timeout."""
-import contextlib
 import glob
 import hashlib
 import io
@@ -11,115 +10,29 @@ import re
 import shutil
 import signal
 import struct
-import subprocess
-import sys
-import threading
-import time
-import uuid
 import zipfile
 
 import pytest
 import torch
-from conftest import ROOT, release_out_dir_locks
-from test_pretrain_ddp import SCRIPT, env, summary
+from conftest import (
+    ROOT,
+    common,
+    copy_of,
+    crash_at,
+    final_weights,
+    plain,
+    processes_of,
+    release_out_dir_locks,
+    run,
+    same_weights,
+    summary,
+    torchrun,
+    write_corpus,
+)
 
 import checkpoints
 import model as M
 import pretrain_ddp as P
-
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-
-
-def common(corpus, tok_dir, out):
-    return [SCRIPT, "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", out,
-            "--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--log-to", "stdout"]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tokenizer, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tok"))
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def processes_of(needle, where="cmdline"):
-    """pids of every process whose command line (or environment) has needle as one of its entries
-    (torchrun starts its workers in sessions of their own, so a process group does not reach them)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            entries = open(f"/proc/{pid}/{where}", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if needle.encode() in entries:
-            pids.append(int(pid))
-    return pids
-
-
-def kill_all(proc, cmd):
-    """SIGKILL the run's launcher and ranks (whose command lines name its --out-dir), as a crash or
-    the OOM killer would; their DataLoader workers and forkservers are left to notice by themselves."""
-    out_dir = cmd[cmd.index("--out-dir") + 1]
-    for pid in [proc.pid, *processes_of(out_dir)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def run_until(cmd, on_line=None, timeout=480):
-    """Run cmd, calling on_line(line, proc) for each stdout line (True: stop reading); a run past
-    timeout is killed and fails the test, and so does any process of it (a DataLoader worker, a
-    forkserver) still alive 30 s after its ranks ended. Returns (exit code, stdout, stderr)."""
-    marker = f"BERT_DDP_TEST_RUN={uuid.uuid4().hex}"  # in the environment of every process of the run
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**env(), marker.split("=")[0]: marker.split("=")[1]}, start_new_session=True)
-    fired = []
-
-    def kill_everything():
-        fired.append(1)
-        for pid in [proc.pid, *processes_of(marker, "environ")]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-    timer = threading.Timer(timeout, kill_everything)
-    timer.start()
-    lines, err = [], []
-    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
-    reader.start()
-    for line in proc.stdout:
-        lines.append(line)
-        if on_line and on_line(line, proc):
-            break
-    proc.wait()
-    timer.cancel()
-    deadline = time.time() + 30
-    while processes_of(marker, "environ") and time.time() < deadline:  # killed ones are reaped, workers end
-        time.sleep(0.1)
-    timed_out, left = bool(fired), []
-    for pid in processes_of(marker, "environ"):
-        with contextlib.suppress(OSError):
-            left.append(open(f"/proc/{pid}/cmdline", "rb").read()[:120].decode(errors="replace"))
-    if left:
-        kill_everything()
-    reader.join(timeout=30)
-    assert not timed_out, f"timed out after {timeout} s (a hang?): {''.join(lines)[-2000:]}"
-    assert not left, f"{len(left)} process(es) of the run outlived it by 30 s (orphaned workers?): {left}"
-    return proc.returncode, "".join(lines), "".join(err)
-
-
-def crash_at(pattern):
-    """on_line for run_until: SIGKILL every process of the run (as a crash would) once stdout matches."""
-    def on_line(line, proc):
-        if re.search(pattern, line):
-            kill_all(proc, proc.args)
-            return True
-        return False
-    return on_line
-
-
-def final_weights(out):
-    latest = open(os.path.join(out, "checkpoints", "latest")).read()
-    return torch.load(os.path.join(out, "checkpoints", latest, "trainer.pt"), weights_only=True)["model"]
-
 
 CLEAN = ["--num-workers", "0", "--save-every", "2", "--keep-last", "10", "--max-steps", "12"]
 
@@ -129,15 +42,8 @@ def clean_run(tmp_path_factory, corpus, tok_dir):
     """One finished 1-rank run (12 steps, a checkpoint every 2, all kept), shared: a test that resumes,
     damages or rolls it back works on its own copy (copy_of), the HF export test only reads it."""
     out = str(tmp_path_factory.mktemp("clean") / "run")
-    rc, _, err = run_until([sys.executable, *common(corpus, tok_dir, out), *CLEAN])
+    rc, _, err = run(plain(*common(corpus, tok_dir, out), *CLEAN))
     assert rc == 0, err[-3000:]
-    return out
-
-
-def copy_of(run, tmp_path):
-    """The test's own copy of a shared run (the path of the run does not matter to a resume)."""
-    out = str(tmp_path / "run")
-    shutil.copytree(run, out)
     return out
 
 
@@ -147,37 +53,35 @@ def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, tok_dir):
     boundary (reshuffle, new loaders); the newest checkpoint damaged and a half-written one left
     behind: the resume takes the one before (before the boundary), and the run ends bitwise equal
     to an uninterrupted one."""
-    from conftest import write_corpus
     # 40 documents: 9-12 steps per epoch (the test's 120 would take ~33, and this test 2.5x longer)
     corpus = write_corpus(tmp_path / "corpus.txt", 40)
     args = ["--num-workers", "2", "--batch-size", "8", "--accum-steps", "2", "--epochs", "2", "--save-every", "4",
             "--max-steps", "16"]
     ref = str(tmp_path / "ref")
-    rc, out, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, ref), *args])
+    rc, out, err = run(torchrun(2, *common(corpus, tok_dir, ref), *args))
     assert rc == 0, err[-3000:]
     assert re.search(r"epoch 0 ended at step (9|10|11|12)\b", out), out[-3000:]  # before the save at 12
-    run = str(tmp_path / "killed")
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, run), *args]
-    rc, out, _ = run_until(cmd, crash_at(r"^step 6:"))  # between two saves
+    killed = str(tmp_path / "killed")
+    cmd = torchrun(2, *common(corpus, tok_dir, killed), *args)
+    rc, out, _ = run(cmd, crash_at(r"^step 6:"))  # between two saves
     assert rc != 0 and "step 6:" in out
-    rc, out, _ = run_until(cmd, crash_at(r"^step 1[3-5]:"))  # after the epoch boundary and the save at 12
+    rc, out, _ = run(cmd, crash_at(r"^step 1[3-5]:"))  # after the epoch boundary and the save at 12
     assert rc != 0 and "resumed from" in out
     # Damage the newest checkpoint and leave a half-written one behind, as a kill during a save would.
-    ckpts = sorted(glob.glob(os.path.join(run, "checkpoints", "step_*")))
+    ckpts = sorted(glob.glob(os.path.join(killed, "checkpoints", "step_*")))
     with open(os.path.join(ckpts[-1], "trainer.pt"), "r+b") as f:
         f.seek(200)
         f.write(b"\x00garbage\x00")
-    os.makedirs(os.path.join(run, "checkpoints", ".tmp-step_000099"))
-    with open(os.path.join(run, "checkpoints", ".tmp-step_000099", "trainer.pt"), "wb") as f:
+    os.makedirs(os.path.join(killed, "checkpoints", ".tmp-step_000099"))
+    with open(os.path.join(killed, "checkpoints", ".tmp-step_000099", "trainer.pt"), "wb") as f:
         f.write(b"half a file")
-    rc, out, err = run_until(cmd)
+    rc, out, err = run(cmd)
     assert rc == 0, err[-3000:]
     assert "is damaged (trainer.pt does not match its checksum)" in err
     assert f"resumed from {ckpts[-2]}" in out  # the previous complete one
-    a, b = final_weights(ref), final_weights(run)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert summary(run)["steps"] == summary(ref)["steps"] == 16
-    assert summary(run)["samples_seen"] == summary(ref)["samples_seen"]
+    assert same_weights(final_weights(ref), final_weights(killed))
+    assert summary(killed)["steps"] == summary(ref)["steps"] == 16
+    assert summary(killed)["samples_seen"] == summary(ref)["samples_seen"]
 
 
 def damage_tensor_bytes(path):
@@ -201,50 +105,47 @@ def test_damage_only_the_checksum_sees_is_refused(tmp_path, corpus, tok_dir, cle
     resumes the checkpoint before."""
     out = copy_of(clean_run, tmp_path)
     ckpts = os.path.join(out, "checkpoints")
-    base = [sys.executable, *common(corpus, tok_dir, out), *CLEAN]
+    base = plain(*common(corpus, tok_dir, out), *CLEAN)
     trainer = os.path.join(ckpts, "step_000012", "trainer.pt")
     before = torch.load(trainer, weights_only=True)["model"]
     damage_tensor_bytes(trainer)
     after = torch.load(trainer, weights_only=True)["model"]  # loads: only the values differ
     assert any(not torch.equal(before[k], after[k]) for k in before)  # wrong weights, and not a word about it
-    rc, _, err = run_until([*base, "--resume", os.path.join(ckpts, "step_000012")])
+    rc, _, err = run([*base, "--resume", os.path.join(ckpts, "step_000012")])
     assert rc == 2 and err.strip().splitlines() == [
         f"pretrain_ddp.py: error: --resume {ckpts}/step_000012 cannot be used: trainer.pt does not match its "
         "checksum"], err[-3000:]
-    rc, stdout, err = run_until(base)
+    rc, stdout, err = run(base)
     assert rc == 0 and f"resumed from {ckpts}/step_000010 at step 10" in stdout, stdout[-2000:] + err[-3000:]
     assert f"warning: checkpoint {ckpts}/step_000012 is damaged (trainer.pt does not match its checksum)" in err
 
 
 @pytest.mark.slow
-def test_keep_last_existing_dirs_and_config_changes(tmp_path, corpus, tok_dir):
-    out = str(tmp_path / "run")
-    base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
-            "--keep-last", "2"]
-    rc, _, err = run_until([*base, "--max-steps", "9"])
-    assert rc == 0, err[-3000:]
-    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
-    assert names == ["latest", "step_000008", "step_000009"]
-    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_000009"
-    # Starting the finished run again: resumes at its end, saves the same step again, fine.
-    rc, stdout, err = run_until([*base, "--max-steps", "9", "--log-every", "5"])
+def test_keep_last_keeps_the_newest_a_rerun_resumes_and_changed_settings_are_refused(tmp_path, corpus, tok_dir,
+                                                                                     clean_run):
+    out = copy_of(clean_run, tmp_path)  # finished at step 12, a checkpoint every 2 steps, all kept
+    base = plain(*common(corpus, tok_dir, out), *CLEAN, "--keep-last", "2")
+    # Starting the finished run again: resumes at its end, saves the same step again, fine; 2 are kept.
+    rc, stdout, err = run(base)
     assert rc == 0 and "resumed from" in stdout, err[-3000:]
-    # Refusals, found where rank 0 plans the run (plan_run: a UserError, which __main__ turns into one
-    # line and exit code 2, as test_resume_refuses_another_tokenizer_or_a_changed_corpus sees end to end).
-    for extra, messages in ((["--max-steps", "9", "--max-seq-len", "64"], ["max_seq_len (checkpoint 32, now 64)"]),
+    names = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert names == ["latest", "step_000010", "step_000012"]
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == "step_000012"
+    # Refusals, found where rank 0 plans the run (plan_run: one of USER_ERRORS, which __main__ turns into one
+    # line and exit code 2, as test_damage_only_the_checksum_sees_is_refused sees end to end).
+    for extra, messages in ((["--max-seq-len", "64"], ["max_seq_len (checkpoint 32, now 64)"]),
                             (["--resume", "none"], ["holds checkpoints"]),
                             # the finished run's LR is 0: more steps would not train; the error says what to do
-                            (["--max-steps", "12"], ["its LR had decayed to 0", f"--init-from {out}"])):
-        with pytest.raises(P.UserError) as error:
+                            (["--max-steps", "14"], ["its LR had decayed to 0", f"--init-from {out}"])):
+        with pytest.raises(P.USER_ERRORS) as error:
             P.plan_run(P.parse_args([*base[2:], *extra]), torch.device("cpu"), None, P.Rank0Only())
         assert all(m in str(error.value) for m in messages) and "\n" not in str(error.value), (extra, error.value)
-    release_out_dir_locks()  # this process planned in the out dir: the runs below are other processes
-    # Another world size, from step 8 (LR not yet 0): a warning, then the rest of the run.
-    rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *base[1:], "--max-steps", "12", "--resume",
-                                 os.path.join(out, "checkpoints", "step_000008")])
+        release_out_dir_locks()  # this process planned in the out dir: the runs below are other processes
+    # Another world size, from step 10 (LR not yet 0): a warning, then the rest of the run.
+    rc, stdout, err = run(torchrun(2, *base[2:], "--resume", os.path.join(out, "checkpoints", "step_000010")))
     assert rc == 0, err[-3000:]
     assert "no longer bit-exact" in err and summary(out)["steps"] == 12
-    rc, stdout, err = run_until([*base, "--resume", "none", "--overwrite", "--max-steps", "3"])
+    rc, stdout, err = run([*base, "--resume", "none", "--overwrite", "--max-steps", "3"])
     assert rc == 0 and summary(out)["steps"] == 3
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["latest", "step_000002", "step_000003"]
 
@@ -272,10 +173,10 @@ def test_loading_never_executes_pickled_code(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
+def test_torchrun_max_restarts_resumes_after_a_killed_rank_and_finishes(tmp_path, corpus, tok_dir):
     out = str(tmp_path / "run")
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", "--max-restarts", "2", *common(corpus, tok_dir, out),
-           "--num-workers", "0", "--save-every", "3", "--max-steps", "14"]
+    cmd = torchrun(2, *common(corpus, tok_dir, out), "--save-every", "3", "--max-steps", "14",
+                   agent=("--max-restarts", "2"))
     killed = []
 
     def kill_rank1(line, proc):
@@ -290,14 +191,14 @@ def test_torchrun_max_restarts_recovers(tmp_path, corpus, tok_dir):
                     killed.append(pid)
         return False
 
-    rc, stdout, err = run_until(cmd, kill_rank1, timeout=300)
+    rc, stdout, err = run(cmd, kill_rank1, timeout=300)
     assert killed and rc == 0, err[-3000:]
     assert "resumed from" in stdout
     assert summary(out)["steps"] == 14
 
 
 @pytest.mark.slow
-def test_hf_export_loads_offline_and_matches(corpus, clean_run):
+def test_the_hf_export_loads_offline_and_gives_the_training_model_s_mlm_logits(corpus, clean_run):
     out = clean_run  # read only
     from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
     hf_dir = os.path.join(out, "hf")
@@ -333,70 +234,74 @@ def test_sigterm_to_the_job_stops_every_rank_at_the_same_step_and_saves(tmp_path
     the eval loader's workers of step 4 (which waited forever once the signal had killed the forkserver);
     the same command goes on from the checkpoint."""
     out = str(tmp_path / "run")
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(corpus, tok_dir, out), "--num-workers", "1",
-           "--save-every", "1000", "--max-steps", "100000", "--epochs", "50", "--eval-corpus", corpus,
-           "--eval-every", "4"]
+    eval_corpus = write_corpus(tmp_path / "eval.txt", 24, seed=5)  # a fifth of the corpus: shorter evals
+    cmd = torchrun(2, *common(corpus, tok_dir, out), "--num-workers", "1", "--save-every", "1000", "--max-steps",
+                   "100000", "--epochs", "50", "--eval-corpus", eval_corpus, "--eval-every", "4")
     def stop_at_step_5(line, proc):
         if line.startswith("step 5:"):
-            os.killpg(proc.pid, signal.SIGTERM)  # its own session (run_until): only this job's processes
+            os.killpg(proc.pid, signal.SIGTERM)  # its own session (run): only this job's processes
         return False
 
-    _, text, _ = run_until(cmd, stop_at_step_5, timeout=200)
+    _, text, _ = run(cmd, stop_at_step_5, timeout=200)
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", text).group(1))
     s = summary(out)
     assert s["stopped_by_signal"] and s["steps"] == stopped_at >= 5
     assert stopped_at % 4 == 0 or re.search(rf"^step {stopped_at}: eval/mlm_loss", text, re.M), text[-3000:]
     assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step_{stopped_at:06d}"
-    rc, again, err2 = run_until([*cmd, "--max-steps", str(stopped_at + 2)])
+    rc, again, err2 = run([*cmd, "--max-steps", str(stopped_at + 2)])
     assert rc == 0 and f"at step {stopped_at}," in again and summary(out)["steps"] == stopped_at + 2, err2[-2000:]
 
 
 @pytest.mark.slow
-def test_rollback_then_auto_follows_the_rollback(tmp_path, corpus, tok_dir, clean_run):
+def test_a_rollback_moves_newer_checkpoints_aside_and_resume_auto_follows_it(tmp_path, corpus, tok_dir, clean_run,
+                                                                             capsys):
     out = copy_of(clean_run, tmp_path)  # --max-steps 12, a checkpoint every 2 steps, --keep-last 10
-    base = [sys.executable, *common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2",
-            "--keep-last", "10"]
+    base = plain(*common(corpus, tok_dir, out), "--num-workers", "0", "--save-every", "2", "--keep-last", "10")
     ckpts = os.path.join(out, "checkpoints")
-    rc, stdout, err = run_until([*base, "--max-steps", "6", "--resume", os.path.join(ckpts, "step_000004")])
+    rc, stdout, err = run([*base, "--max-steps", "6", "--resume", os.path.join(ckpts, "step_000004")])
     assert rc == 0 and f"resumed from {ckpts}/step_000004" in stdout, err[-3000:]
     assert f"step 6, 8, 10, 12 are newer than the timeline resumed here (step 4); moved to {ckpts}/abandoned" in err
     assert sorted(os.listdir(os.path.join(ckpts, "abandoned"))) == [f"step_0000{s:02d}" for s in (6, 8, 10, 12)]
     # A complete checkpoint newer than `latest` (a crash between the rename and the pointer, or a copy
     # put back by hand) is not the timeline either: --resume auto takes the rollback's step 6, not 12.
     shutil.copytree(os.path.join(ckpts, "abandoned", "step_000012"), os.path.join(ckpts, "step_000012"))
-    rc, stdout, err = run_until([*base, "--max-steps", "6"])
-    assert rc == 0 and f"resumed from {ckpts}/step_000006 at step 6" in stdout, err[-3000:]
-    assert "step 12 are newer than the timeline resumed here (step 6)" in err
     assert summary(out)["steps"] == 6
+    capsys.readouterr()
+    path, loaded = checkpoints.choose_checkpoint(ckpts, "auto", False)  # what rank 0's plan_run resumes
+    assert path == f"{ckpts}/step_000006" and loaded["meta"]["step"] == 6, path
+    assert "step 12 are newer than the timeline resumed here (step 6)" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_resume_refuses_another_tokenizer_or_a_changed_corpus(tmp_path, corpus, tok_dir, clean_run):
-    from conftest import write_corpus
-
+    """Where rank 0 plans the run (plan_run: one of USER_ERRORS, which __main__ turns into one line and exit code
+    2, as test_damage_only_the_checksum_sees_is_refused sees end to end): another tokenizer is refused; a changed
+    corpus is refused unless --allow-corpus-change, which restarts the epoch on it; then it is the run's."""
     import data_stream
     text = str(tmp_path / "corpus.txt")
     shutil.copy(corpus, text)  # the corpus the shared run trained on (its fingerprint is of the contents)
     out = copy_of(clean_run, tmp_path)
-    base = [sys.executable, *common(text, tok_dir, out), *CLEAN]  # resuming a finished run: 0 steps to go
+    base = plain(*common(text, tok_dir, out), *CLEAN)  # resuming a finished run: 0 steps to go
     other_dir = str(tmp_path / "other_tok")  # same size, another vocabulary
     data_stream.get_tokenizer(None, [write_corpus(tmp_path / "other.txt", 60, seed=7)], 300).save_pretrained(other_dir)
     kept = data_stream.get_tokenizer(os.path.join(out, "tokenizer"))
     other = data_stream.get_tokenizer(other_dir)
-    rc, _, err = run_until([*base, "--tokenizer", other_dir])
-    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    with pytest.raises(P.USER_ERRORS) as error:
+        P.plan_run(P.parse_args([*base[2:], "--tokenizer", other_dir]), torch.device("cpu"), None, P.Rank0Only())
+    assert "\n" not in str(error.value), error.value
     assert f"it trained with tokenizer {data_stream.tokenizer_hash(kept)}, this run's (--tokenizer {other_dir}) is " \
-           f"{data_stream.tokenizer_hash(other)}" in err
+           f"{data_stream.tokenizer_hash(other)}" in str(error.value), error.value
+    release_out_dir_locks()
     with open(text, "a") as f:
         f.write("\na new document .\nwith two sentences .\n")
-    with pytest.raises(P.UserError) as error:  # where rank 0 plans the run; __main__: one line, exit code 2
+    with pytest.raises(P.USER_ERRORS) as error:
         P.plan_run(P.parse_args(base[2:]), torch.device("cpu"), None, P.Rank0Only())
     assert "the corpus changed" in str(error.value) and "--allow-corpus-change" in str(error.value), error.value
     release_out_dir_locks()
-    rc, stdout, err = run_until([*base, "--allow-corpus-change"])
+    rc, stdout, err = run([*base, "--allow-corpus-change"])
     assert rc == 0 and "epoch 0 restarts on the new corpus" in err and "resumed from" in stdout, err[-3000:]
-    rc, stdout, err = run_until(base)  # the new corpus is the run's now
-    assert rc == 0 and "resumed from" in stdout, err[-3000:]
+    resumed, _ = P.plan_run(P.parse_args(base[2:]), torch.device("cpu"), None, P.Rank0Only())
+    assert resumed.resume_path and not resumed.corpus_changed  # the new corpus is the run's now
 
 
 class Crash(Exception):

@@ -8,52 +8,27 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, write_corpus
-from torch.utils.data import DataLoader
+from conftest import (
+    ROOT,
+    Launch,
+    check_resume_from_cursor,
+    corpus_tokens,
+    loader,
+    make_stream,
+    plain,
+    run_ranks,
+    same_batches,
+    tokens_per_shard,
+    wait_for,
+    write_corpus,
+)
 
 import data_stream as ds
 
 
-def make_stream(corpus, tokenizer, **kw):
-    kw.setdefault("rank", 0)
-    kw.setdefault("world_size", 1)
-    kw.setdefault("batch_size", 4)
-    kw.setdefault("max_seq_len", 32)
-    return ds.BertPretrainStream(corpus, tokenizer, **kw)
-
-
-def loader(stream, num_workers):
-    return DataLoader(stream, batch_size=None, num_workers=num_workers)
-
-
-def run_ranks(corpus, tokenizer, world_size, num_workers, epoch=0, **kw):
-    """All batches of one epoch, per rank, in the order the trainer would see them."""
-    out = []
-    for rank in range(world_size):
-        stream = make_stream(corpus, tokenizer, rank=rank, world_size=world_size, **kw)
-        stream.set_epoch(epoch)
-        out.append(list(loader(stream, num_workers)))
-    return out
-
-
-def tokens_per_shard(batches, tokenizer):
-    """mlm + no masking: each shard's tokens, special tokens left out, in the order read."""
-    tokens = {}
-    special = set(tokenizer.all_special_ids)
-    for b in batches:
-        ids = [t for t in b["input_ids"].flatten().tolist() if t not in special]
-        tokens.setdefault(b["cursor"][0], []).extend(ids)
-    return tokens
-
-
-def corpus_tokens(corpus, tokenizer):
-    """Every token of every document, once: what one epoch must hold, no more and no less."""
-    stream = make_stream(corpus, tokenizer, token_cache="none")
-    return Counter(t for d in range(stream.num_docs) for t in stream.document(d)[0].tolist())
-
-
 @pytest.mark.parametrize("world_size,num_workers", [(2, 0), (2, 2), (3, 0), (3, 2)])
-def test_every_document_read_once_per_epoch(corpus, tokenizer, world_size, num_workers):
+def test_every_document_read_once_per_epoch(small_corpus, tokenizer, world_size, num_workers):
+    corpus = small_corpus
     expected = corpus_tokens(corpus, tokenizer)
     orders = []
     for epoch in (0, 1):
@@ -90,39 +65,12 @@ def test_fewer_documents_than_shards_ends_cleanly(tmp_path, tokenizer):
     assert sum(counts) > 0 and min(counts) == 0  # some ranks hold nothing, nobody hangs
 
 
-def same_batches(xs, ys):
-    assert len(xs) == len(ys)
-    for x, y in zip(xs, ys, strict=True):
-        assert x.keys() == y.keys()
-        for k in x:
-            if k == "cursor":
-                assert tuple(x[k]) == tuple(y[k])
-            else:
-                assert torch.equal(x[k], y[k]), k
-
-
 @pytest.mark.parametrize("objective,shuffle_block", [("nsp", 8192), ("mlm", 8192), ("nsp", 3), ("mlm", 4)])
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
-def test_resume_from_cursor_yields_exactly_the_rest(corpus, tokenizer, objective, shuffle_block, num_workers):
+def test_resume_from_cursor_yields_exactly_the_rest(small_corpus, tokenizer, objective, shuffle_block, num_workers):
     """Blocks of 3 cut batches of 4 anywhere (a cursor inside a block, at its end, on the last short
     one); blocks of 4 end with a batch; 8192 holds a shard."""
-    kw = dict(objective=objective, world_size=2, rank=1, seed=3, shuffle_block=shuffle_block)
-    full = make_stream(corpus, tokenizer, **kw)
-    full.set_epoch(2)
-    reference = list(loader(full, num_workers))
-    assert len(reference) > 10
-    for k in (1, 5, len(reference) - 2):
-        first = make_stream(corpus, tokenizer, **kw)
-        first.set_epoch(2)
-        it = iter(loader(first, num_workers))
-        for _ in range(k):
-            first.consumed(next(it)["cursor"])
-        del it
-        state = first.state_dict()
-        resumed = make_stream(corpus, tokenizer, **kw)
-        resumed.load_state_dict(state)
-        rest = list(loader(resumed, num_workers))
-        same_batches(rest, reference[k:])
+    check_resume_from_cursor(small_corpus, tokenizer, objective, shuffle_block, num_workers)
 
 
 def test_a_resume_with_another_block_size_goes_on_with_the_epochs(corpus, tokenizer):
@@ -202,7 +150,7 @@ def test_resize_during_the_leftover_and_on_workers_repeats_nothing(corpus, token
     assert Counter(tokens) == corpus_tokens(corpus, tokenizer)
 
 
-def test_masking_statistics(corpus, tokenizer):
+def test_masking_picks_15_percent_and_splits_80_10_10(corpus, tokenizer):
     stream = make_stream(corpus, tokenizer, max_seq_len=64, batch_size=64, mask_prob=0.15)
     plain = make_stream(corpus, tokenizer, max_seq_len=64, batch_size=64, mask_prob=0.0)
     special = torch.tensor(sorted(set(tokenizer.all_special_ids)))
@@ -223,7 +171,7 @@ def test_masking_statistics(corpus, tokenizer):
     assert abs(n_same / n_masked - 0.1) < 0.02  # 10% unchanged (+ a few random hits on itself)
 
 
-def test_nsp_samples_decode_to_the_source(corpus, tokenizer):
+def test_nsp_samples_are_source_text_and_a_random_b_comes_from_another_document(corpus, tokenizer):
     stream = make_stream(corpus, tokenizer, max_seq_len=48, mask_prob=0.0)
     doc_text = [" " + " ".join(map(str, stream.document(d)[0].tolist())) + " " for d in range(stream.num_docs)]
     n_random = n_total = n_unique_pairs = 0
@@ -268,7 +216,7 @@ def test_truncate_pair_matches_bert_loop():
                 assert ta == a[a.index(ta[0]):a.index(ta[0]) + ra] if ta else True
 
 
-def test_one_sentence_docs_and_overlong_sentences(tmp_path, tokenizer):
+def test_one_sentence_documents_get_a_random_b_and_overlong_sentences_fill_max_seq_len(tmp_path, tokenizer):
     path = tmp_path / "odd.txt"
     long_sentence = " ".join(["river stone"] * 400)
     path.write_text(f"{long_sentence}\n\nonly one sentence here .\n\nanother single line .\n")
@@ -279,14 +227,14 @@ def test_one_sentence_docs_and_overlong_sentences(tmp_path, tokenizer):
     assert all(int(x) == 1 for b in batches for x in b["next_sentence_label"])  # one chunk -> random B
 
 
-def test_gz_matches_plain(tmp_path, corpus, tokenizer):
+def test_a_gz_corpus_gives_the_batches_of_the_plain_file(tmp_path, corpus, tokenizer):
     gz = tmp_path / "corpus.txt.gz"
     with open(corpus, "rb") as src, gzip.open(gz, "wb") as dst:
         dst.write(src.read())
     same_batches(list(make_stream(str(gz), tokenizer)), list(make_stream(corpus, tokenizer)))
 
 
-def test_ten_megabyte_line_in_bounded_pieces(tmp_path):
+def test_a_ten_megabyte_line_is_read_in_bounded_pieces(tmp_path):
     path = tmp_path / "huge.txt"
     path.write_bytes(("é" * (5 << 20)).encode() + b"\n")  # 10 MB, 2-byte characters, no break
     corpus = ds.Corpus(str(path), max_doc_bytes=1 << 20)
@@ -296,29 +244,44 @@ def test_ten_megabyte_line_in_bounded_pieces(tmp_path):
     assert all(len(line) <= ds.MAX_LINE_BYTES for line in lines) and "\ufffd" not in "".join(lines)
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "data_stream.py"), *args],
-                          capture_output=True, text=True, timeout=300)
+def cli(*args):
+    """data_stream.py with these arguments as a process, started now (wait_for waits for it)."""
+    return Launch(plain(*args, script=os.path.join(ROOT, "data_stream.py")))
 
 
-@pytest.mark.slow  # subprocesses, or seconds of work
-def test_bad_input_gives_one_line_errors(tmp_path, tokenizer):
+def test_bad_corpus_or_tokenizer_is_one_line(tmp_path, tok_dir, capsys):
+    """data_stream.py's main() stops with its one line (a SystemExit: exit code 1, no traceback) for a missing
+    corpus, a pattern matching nothing, a file with no text, a folder with no text file, a bad --tokenizer."""
     (tmp_path / "blank.txt").write_text("\n\n   \n")
     (tmp_path / "nodocs").mkdir()
     (tmp_path / "nodocs" / "image.png").write_bytes(b"\x89PNG")
-    cases = {str(tmp_path / "missing.txt"): "does not exist",
-             str(tmp_path / "*.nothing"): "matches no file",
-             str(tmp_path / "blank.txt"): "holds no text",
-             str(tmp_path / "nodocs"): "holds no .txt"}
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
-    for corpus, message in cases.items():
-        result = run_cli("--corpus", corpus, "--tokenizer", tok_dir, "--show", "1")
-        assert result.returncode != 0
-        assert message in result.stderr and "Traceback" not in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    result = run_cli("--corpus", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path / "nodocs"))
-    assert result.returncode != 0 and "--tokenizer" in result.stderr and "Traceback" not in result.stderr
+    cases = [(["--corpus", str(tmp_path / "missing.txt")], "does not exist"),
+             (["--corpus", str(tmp_path / "*.nothing")], "matches no file"),
+             (["--corpus", str(tmp_path / "blank.txt")], "holds no text"),
+             (["--corpus", str(tmp_path / "nodocs")], "holds no .txt")]
+    for extra, message in cases:
+        with pytest.raises(SystemExit) as stopped:
+            ds.main([*extra, "--tokenizer", tok_dir, "--show", "1"])
+        line = str(stopped.value.code)
+        assert line.startswith("data_stream.py: error: ") and message in line and "\n" not in line, line
+    with pytest.raises(SystemExit) as stopped:
+        ds.main(["--corpus", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path / "nodocs")])
+    assert stopped.value.code != 0 and "--tokenizer" in str(stopped.value.code) + capsys.readouterr().err
+
+
+@pytest.mark.slow  # subprocesses, or seconds of work
+def test_cli_shows_the_decoded_samples_asked_for_and_a_bad_corpus_is_one_line(tmp_path, corpus, tok_dir):
+    """As a process: --show N prints N decoded samples; a bad corpus exits non-zero with one line on stderr and
+    no traceback (the other bad inputs: test_bad_corpus_or_tokenizer_is_one_line, in-process)."""
+    show, missing = wait_for([cli("--corpus", corpus, "--tokenizer", tok_dir, "--show", "3"),
+                              cli("--corpus", str(tmp_path / "missing.txt"), "--tokenizer", tok_dir, "--show", "1")],
+                             300)
+    code, stdout, stderr = show
+    assert code == 0, stderr
+    assert stdout.count("--- sample") == 3 and "[MASK]" in stdout
+    code, _, stderr = missing
+    assert code != 0 and "does not exist" in stderr and "Traceback" not in stderr
+    assert len(stderr.strip().splitlines()) == 1, stderr
 
 
 def test_non_utf8_is_replaced_and_counted(tmp_path, tokenizer):
@@ -327,15 +290,6 @@ def test_non_utf8_is_replaced_and_counted(tmp_path, tokenizer):
     with pytest.warns(UserWarning, match="2 line"):
         stream = make_stream(str(path), tokenizer, mask_prob=0.0)
     assert sum(len(b["input_ids"]) for b in stream) > 0
-
-
-@pytest.mark.slow  # subprocesses, or seconds of work
-def test_show_prints_decoded_samples(corpus, tmp_path, tokenizer):
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
-    result = run_cli("--corpus", corpus, "--tokenizer", tok_dir, "--show", "3")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.count("--- sample") == 3 and "[MASK]" in result.stdout
 
 
 def test_resize_neither_repeats_nor_loses_an_nsp_sample(corpus, tokenizer):
@@ -469,11 +423,10 @@ def test_the_first_batch_reads_only_the_documents_it_holds(tmp_path, tokenizer, 
     assert len({d for ds_ in docs for d in ds_}) > 200  # the mixture is the pool's: many documents soon
 
 
-def test_a_stream_left_early_exits_silently(corpus, tmp_path, tokenizer):
+@pytest.mark.slow  # subprocesses, or seconds of work
+def test_a_stream_left_early_exits_silently(corpus, tmp_path, tok_dir):
     """A loop left after its first batch leaves its generator to the interpreter's exit, after numpy's
     teardown: it must say nothing (it printed 'Exception ignored in ... batches')."""
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
     code = ("import data_stream as ds\n"
             f"s = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), max_seq_len=32)\n"
             "it = s.batches()\nnext(it)\n")

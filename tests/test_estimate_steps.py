@@ -1,57 +1,13 @@
 """estimate_steps.py against the real stream: its exact counts must equal what DataLoaders yield."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from conftest import ROOT, write_corpus
-from torch.utils.data import DataLoader
+from conftest import ROOT, Launch, check_against_stream, make_stream, plain, wait_for, write_corpus
 
-import data_stream as ds
 import estimate_steps as es
 
 SKEW = [300] + [2, 2, 1] * 13  # one document holds most of the bytes: shards are very uneven
-
-
-def stream_of(corpus, tokenizer, **kw):
-    kw.setdefault("max_seq_len", 32)
-    return ds.BertPretrainStream(corpus, tokenizer, rank=kw.pop("rank", 0), world_size=kw.pop("world_size", 1), **kw)
-
-
-def real_batches(corpus, tokenizer, world_size, num_workers, epochs, batch_size, **kw):
-    """[epoch][rank] -> the sizes of the micro-batches that rank's DataLoader yields, in order."""
-    streams = [stream_of(corpus, tokenizer, rank=r, world_size=world_size, batch_size=batch_size, **kw)
-               for r in range(world_size)]
-    out = []
-    for epoch in range(epochs):
-        for s in streams:
-            s.set_epoch(epoch)
-        out.append([[len(b["input_ids"]) for b in DataLoader(s, batch_size=None, num_workers=num_workers)]
-                    for s in streams])
-    return out
-
-
-def check_against_stream(corpus, tokenizer, world_size, num_workers, objective, batch_size, epochs):
-    real = real_batches(corpus, tokenizer, world_size, num_workers, epochs, batch_size, objective=objective)
-    stream = stream_of(corpus, tokenizer, objective=objective, batch_size=999, world_size=7)  # both ignored
-    for accum in (1, 2, 3):
-        r = es.estimate(stream, world_size, num_workers, batch_size, accum, epochs, mode="exact", warmup=0.1)
-        assert r["mode"] == "exact" and len(r["per_epoch"]) == epochs
-        for epoch, (ranks, got) in enumerate(zip(real, r["per_epoch"], strict=True)):
-            steps = min(len(b) for b in ranks) // accum  # every rank needs a full window of accum
-            used = sum(sum(b[:steps * accum]) for b in ranks)
-            want = {"samples": sum(map(sum, ranks)), "steps": steps,
-                    "samples_per_rank_min": min(map(sum, ranks)), "samples_per_rank_max": max(map(sum, ranks)),
-                    "micro_batches_per_rank_min": min(map(len, ranks)),
-                    "micro_batches_per_rank_max": max(map(len, ranks)),
-                    "unused_samples": sum(map(sum, ranks)) - used}
-            assert {k: got[k] for k in want} == want, (epoch, accum)
-        total = sum(min(len(b) for b in ranks) // accum for ranks in real)
-        assert r["total_steps"] == total and r["warmup_steps"] == min(total, max(1, round(0.1 * total)))
-        assert r["samples_per_epoch"] == sum(map(sum, real[0])) and r["steps_per_epoch"] == r["per_epoch"][0]["steps"]
-    assert not stream.cache.pending  # what the estimator tokenized is in the cache, not in memory to fork
-    return real
 
 
 @pytest.mark.parametrize("world_size,num_workers,objective,batch_size,epochs", [
@@ -78,7 +34,7 @@ def test_exact_equals_the_stream_on_uneven_shards(tmp_path_factory, tokenizer, w
 def test_sample_mode_interval_holds_the_exact_answer(tmp_path, tokenizer):
     path = write_corpus(tmp_path / "big.txt", 3000, seed=11)
     for objective, world_size, num_workers, max_rel_err in (("nsp", 4, 2, 0.03), ("mlm", 1, 0, 0.01)):
-        stream = stream_of(path, tokenizer, objective=objective, max_seq_len=64)
+        stream = make_stream(path, tokenizer, objective=objective, max_seq_len=64)
         kw = dict(world_size=world_size, num_workers=num_workers, batch_size=8, accum_steps=2, epochs=2)
         exact = es.estimate(stream, mode="exact", **kw)
         sample = es.estimate(stream, mode="sample", sample_docs=500, **kw)
@@ -93,7 +49,7 @@ def test_sample_mode_interval_holds_the_exact_answer(tmp_path, tokenizer):
 
 
 def test_impossible_settings_give_zero_steps_and_a_note(corpus, tokenizer):
-    stream = stream_of(corpus, tokenizer)
+    stream = make_stream(corpus, tokenizer)
     r = es.estimate(stream, world_size=2, num_workers=0, batch_size=100_000, accum_steps=2, epochs=2, warmup=0.5)
     assert (r["steps_per_epoch"], r["total_steps"], r["warmup_steps"]) == (0, 0, 0)
     assert r["micro_batches_per_rank_min"] == 1 and "--accum-steps 2" in r["note"]
@@ -103,58 +59,49 @@ def test_impossible_settings_give_zero_steps_and_a_note(corpus, tokenizer):
     assert "note:" in es.format_report(r) and "\n" not in r["note"]
 
 
-def run_cli(*args):
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "estimate_steps.py"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc):
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out, err
+def cli(*args):
+    """estimate_steps.py with these arguments, started now (wait_for waits for it)."""
+    return Launch(plain(*args, script=os.path.join(ROOT, "estimate_steps.py")))
 
 
 @pytest.mark.slow  # subprocesses, or seconds of work
-def test_cli_json_and_table(corpus, tokenizer, tmp_path):
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
+def test_cli_json_is_the_estimate_and_the_table_notes_zero_steps(corpus, tokenizer, tok_dir):
     common = ["--corpus", corpus, "--tokenizer", tok_dir, "--max-seq-len", "32", "--world-size", "2",
               "--num-workers", "2", "--epochs", "2", "--warmup", "0.1"]
-    as_json = run_cli(*common, "--batch-size", "4", "--accum-steps", "2", "--json")
-    as_table = run_cli(*common, "--batch-size", "100000", "--accum-steps", "3", "--mode", "exact")
-    code, out, err = finish(as_json)
+    (code, out, err), as_table = wait_for([cli(*common, "--batch-size", "4", "--accum-steps", "2", "--json"),
+                                           cli(*common, "--batch-size", "100000", "--accum-steps", "3", "--mode",
+                                               "exact")], 300)
     assert code == 0, err
     r = json.loads(out)
-    want = es.estimate(stream_of(corpus, tokenizer), 2, 2, 4, 2, 2, warmup=0.1)
+    want = es.estimate(make_stream(corpus, tokenizer), 2, 2, 4, 2, 2, warmup=0.1)
     assert r["mode"] == "exact" and r["mode_reason"].startswith("auto:")
     for key in ("samples_per_epoch", "steps_per_epoch", "total_steps", "warmup_steps", "documents", "sentences",
                 "tokens", "samples_per_rank_min", "samples_per_rank_max", "micro_batches_per_rank_min",
                 "micro_batches_per_rank_max", "unused_samples", "per_epoch", "total_steps_ci"):
         assert r[key] == want[key], key
     assert r["total_steps"] > 10 and r["warmup_steps"] == max(1, round(0.1 * r["total_steps"]))
-    code, out, err = finish(as_table)
+    code, out, err = as_table
     assert code == 0, err
     rows = {line[:32].strip(): line[32:].strip() for line in out.splitlines()}  # label column, then value
     assert rows["total steps"] == "0" and rows["mode"].startswith("exact (--mode exact")
     assert "note: 0 optimizer steps" in out and "Traceback" not in err
 
 
-@pytest.mark.slow  # subprocesses, or seconds of work
-def test_bad_input_gives_one_line_errors(tmp_path, tokenizer, capsys):
+def test_bad_estimator_input_is_one_line(tmp_path, tok_dir, capsys):
+    """main() stops with one line (exit code 2 from argparse, before any corpus work; else a SystemExit with the
+    line: exit code 1, no traceback); as a process: test_a_missing_corpus_in_a_process_is_one_line_on_stderr."""
     (tmp_path / "blank.txt").write_text("\n\n  \n")
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
     flags = ["--tokenizer", tok_dir]
-    cases = {("--corpus", str(tmp_path / "missing.txt"), *flags): "does not exist",
-             ("--corpus", str(tmp_path / "blank.txt"), *flags): "holds no text",
-             ("--corpus", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path)): "--tokenizer",
-             ("--batch-size", "0"): "--batch-size: 0 is out of range (allowed: x >= 1)",
-             ("--epochs", "0"): "--epochs: 0 is out of range (allowed: x >= 1)"}
-    procs = {args: run_cli(*args) for args in cases}  # in parallel: each pays for importing torch
-    for args, message in cases.items():
-        code, _, err = finish(procs[args])
-        assert code != 0 and message in err and "Traceback" not in err, (args, err)
-        assert len(err.strip().splitlines()) == 1 and err.startswith("estimate_steps.py: error:"), err
-    for args, message in ((["--accum-steps", "0"], "--accum-steps: 0 is out of range (allowed: x >= 1)"),
+    for args, message in ((["--corpus", str(tmp_path / "missing.txt"), *flags], "does not exist"),
+                          (["--corpus", str(tmp_path / "blank.txt"), *flags], "holds no text"),
+                          (["--corpus", str(tmp_path / "blank.txt"), "--tokenizer", str(tmp_path)], "--tokenizer")):
+        with pytest.raises(SystemExit) as e:
+            es.main(args)
+        line = str(e.value.code)
+        assert line.startswith("estimate_steps.py: error:") and message in line and "\n" not in line, (args, line)
+    for args, message in ((["--batch-size", "0"], "--batch-size: 0 is out of range (allowed: x >= 1)"),
+                          (["--epochs", "0"], "--epochs: 0 is out of range (allowed: x >= 1)"),
+                          (["--accum-steps", "0"], "--accum-steps: 0 is out of range (allowed: x >= 1)"),
                           (["--world-size", "-1"], "--world-size: -1 is out of range (allowed: x >= 1)"),
                           (["--num-workers", "-1"], "--num-workers: -1 is out of range (allowed: x >= 0)"),
                           (["--warmup", "1.5"], "--warmup: 1.5 is out of range (allowed: 0 <= x <= 1)"),
@@ -165,11 +112,17 @@ def test_bad_input_gives_one_line_errors(tmp_path, tokenizer, capsys):
         assert e.value.code == 2 and err == f"estimate_steps.py: error: argument {message} (see --help)\n", err
 
 
+@pytest.mark.slow  # subprocesses, or seconds of work
+def test_a_missing_corpus_in_a_process_is_one_line_on_stderr(tmp_path, tok_dir):
+    code, _, err = wait_for([cli("--corpus", str(tmp_path / "missing.txt"), "--tokenizer", tok_dir)], 300)[0]
+    assert code != 0 and "does not exist" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("estimate_steps.py: error:"), err
+
 
 def test_estimated_warmup_is_the_trainers(corpus, tokenizer):
     """One rule and one default: what estimate_steps.py prints is what pretrain_ddp.py plans."""
     import pretrain_ddp as P
-    stream = stream_of(corpus, tokenizer)
+    stream = make_stream(corpus, tokenizer)
     assert P.parse_args([]).warmup == es.WARMUP == 0.06
     for batch_size, epochs in ((4, 1), (32, 2), (100_000, 1)):  # ~15, ~4 and 0 steps
         for warmup in (0.0, 0.01, 0.06, 0.5, 1.0):

@@ -5,23 +5,30 @@ import os
 import re
 import signal
 import subprocess
-import sys
+import threading
 import time
 
 import pytest
 import torch
-from test_checkpoints import TORCHRUN, common, crash_at, final_weights, kill_all, run_until
-from test_pretrain_ddp import env, summary
+from conftest import (
+    ROOT,
+    TESTS,
+    Launch,
+    common,
+    crash_at,
+    env,
+    final_weights,
+    kill_all,
+    plain,
+    run,
+    same_weights,
+    summary,
+    torchrun,
+    wait_for,
+)
 
-INJECT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inject.py")
+INJECT = os.path.join(TESTS, "_inject.py")
 ONE_LINE = re.compile(r"^pretrain_ddp.py: error: ", re.M)
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tokenizer, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tok"))
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def folder_bytes(path):
@@ -36,27 +43,63 @@ def errors_of(err):
     return [line for line in err.splitlines() if ONE_LINE.match(line)]
 
 
+# 2 ranks with a DataLoader worker each, 14 steps, a checkpoint every 4: the full disk's 2-rank case and the
+# SIGKILLed torchrun resume into the state of two_ranks_reference
+TWO_RANKS = ["--num-workers", "1", "--save-every", "4", "--max-steps", "14"]
+
+
+# 1 rank, 8 steps, a checkpoint every 4: the full disk's 1-rank case resumes into the state of one_rank_reference
+ONE_RANK = ["--max-steps", "8", "--save-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_reference(tmp_path_factory, corpus, tok_dir):
+    """ONE_RANK never interrupted, started as `python pretrain_ddp.py ... &` by a shell that ends at once (as a
+    closed terminal or nohup leaves it). Returns (its out dir, its log)."""
+    root = tmp_path_factory.mktemp("one_rank")
+    out, log = str(root / "ref"), root / "log"
+    command = " ".join(plain(*common(corpus, tok_dir, out), *ONE_RANK))
+    shell = subprocess.run(["sh", "-c", f"{command} > {log} 2>&1 & echo $!"], capture_output=True, text=True,
+                           env=env(), cwd=ROOT, timeout=60)
+    pid = int(shell.stdout)
+    deadline = time.time() + 240
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
+        time.sleep(0.5)
+    if os.path.exists(f"/proc/{pid}"):
+        os.kill(pid, signal.SIGKILL)
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def two_ranks_reference(tmp_path_factory, corpus, tok_dir):
+    """The out dir of TWO_RANKS never interrupted."""
+    out = str(tmp_path_factory.mktemp("two_ranks") / "ref")
+    rc, _, err = run(torchrun(2, *common(corpus, tok_dir, out), *TWO_RANKS))
+    assert rc == 0, err[-3000:]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_a_full_disk_stops_in_one_line_and_loses_nothing(tmp_path, corpus, tok_dir, nproc):
+def test_a_full_disk_stops_in_one_line_and_loses_nothing(tmp_path, request, corpus, tok_dir, nproc):
     """The out dir on a tmpfs that holds the first checkpoint, not the second: one line naming the
     checkpoint, the file system, its free and the needed space and the checkpoint kept; every rank
     stops (code 2); no half-written folder. Then room for the checkpoints but not the Hugging Face
     export (1 rank): the final checkpoint is saved, the export is one line. With room, the same
     command resumes and ends bitwise equal to a run that never lacked it."""
-    launch = [*TORCHRUN, "--nproc_per_node", "2"] if nproc == 2 else [sys.executable]
-    # 2 ranks with a DataLoader worker each: their queues' semaphores are freed on the error path too
-    args = ["--max-steps", "8", "--save-every", "4", "--num-workers", "0" if nproc == 1 else "1"]
-    ref = str(tmp_path / "ref")
-    rc, _, err = run_until([*launch, *common(corpus, tok_dir, ref), *args])
-    assert rc == 0, err[-3000:]
-    ckpt = folder_bytes(os.path.join(ref, "checkpoints", "step_000004"))
+    if nproc == 2:  # 2 ranks with a DataLoader worker each: their queues' semaphores are freed on the error path too
+        args, ref = TWO_RANKS, request.getfixturevalue("two_ranks_reference")
+    else:
+        args, ref = ONE_RANK, request.getfixturevalue("one_rank_reference")[0]
+    with open(os.path.join(ref, "checkpoints", "latest")) as f:  # every checkpoint of the run is the size of this
+        ckpt = folder_bytes(os.path.join(ref, "checkpoints", f.read()))
     base = folder_bytes(os.path.join(ref, "tokenizer")) + 200_000
     sizes = [base + int(1.5 * ckpt), base + int(2.3 * ckpt)] if nproc == 1 else [base + int(1.5 * ckpt)]
     mount, logs = str(tmp_path / "disk"), tmp_path / "logs"
     os.makedirs(mount)
     os.makedirs(logs)
-    cmd = " ".join([*launch, *common(corpus, tok_dir, os.path.join(mount, "run")), *args])
+    cmd = common(corpus, tok_dir, os.path.join(mount, "run"), *args)
+    cmd = " ".join(torchrun(2, *cmd) if nproc == 2 else plain(*cmd))
     script = [f"mount -t tmpfs -o size={sizes[0]} tmpfs {mount}"]
     for k, size in enumerate([*sizes[1:], 200_000_000]):  # each run on the disk it got, then a bigger one
         script += [f"{cmd} > {logs}/{k}.out 2> {logs}/{k}.err; echo $? > {logs}/{k}.rc",
@@ -64,8 +107,7 @@ def test_a_full_disk_stops_in_one_line_and_loses_nothing(tmp_path, corpus, tok_d
                    f"mount -o remount,size={size} {mount}"]
     script += [f"{cmd} > {logs}/{len(sizes)}.out 2> {logs}/{len(sizes)}.err; echo $? > {logs}/{len(sizes)}.rc",
                f"cp -r {mount}/run {tmp_path}/run"]
-    done = subprocess.run(["unshare", "-rm", "sh", "-c", "; ".join(script)], capture_output=True, text=True,
-                          timeout=600, env=env())
+    done = run(["unshare", "-rm", "sh", "-c", "; ".join(script)], timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
 
     def log(k, kind):
@@ -88,8 +130,7 @@ def test_a_full_disk_stops_in_one_line_and_loses_nothing(tmp_path, corpus, tok_d
         assert ".tmp-hf" not in log(1, "ls") and "hf" not in log(1, "ls").split()
     last = len(sizes)
     assert log(last, "rc").strip() == "0", log(last, "err")[-3000:]
-    a, b = final_weights(ref), final_weights(str(tmp_path / "run"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(final_weights(ref), final_weights(str(tmp_path / "run")))
     assert os.path.isfile(os.path.join(tmp_path, "run", "hf", "config.json"))
 
 
@@ -99,17 +140,13 @@ def test_a_second_job_in_a_busy_out_dir_stops_before_it_trains(tmp_path, corpus,
     naming the out dir and the holder; once the first is SIGKILLed (the kernel drops its lock), a
     job starts normally and resumes what it left."""
     out = str(tmp_path / "run")
-    first = [*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, out), "--max-steps", "100000",
-             "--save-every", "3", "--num-workers", "0"]
-    proc = subprocess.Popen(first, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(),
-                            start_new_session=True)
+    saved = threading.Event()
+    first = Launch(plain(*common(corpus, tok_dir, out), "--max-steps", "100000", "--save-every", "3"),
+                   lambda line, proc: line.startswith("saved") and saved.set())
     try:
-        for line in proc.stdout:  # training, and a checkpoint to resume
-            if line.startswith("saved"):
-                break
+        assert saved.wait(300), "no checkpoint within 300 s"  # training, and a checkpoint to resume
         t0 = time.time()
-        rc, stdout, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, out),
-                                     "--max-steps", "5"], timeout=120)
+        rc, stdout, err = run(torchrun(2, *common(corpus, tok_dir, out), "--max-steps", "5"), timeout=120)
         took = time.time() - t0
         assert rc == 1 and "step 1:" not in stdout, stdout + err  # torchrun's code for a failed rank
         [line] = errors_of(err)
@@ -117,23 +154,21 @@ def test_a_second_job_in_a_busy_out_dir_stops_before_it_trains(tmp_path, corpus,
                          r"[\d:]+\): let it finish or stop it, or give another --out-dir", line), line
         assert took < 60, took
     finally:
-        kill_all(proc, first)
-        proc.wait()
-    rc, stdout, err = run_until([sys.executable, *common(str(corpus), tok_dir, out), "--max-steps", "5"])
+        kill_all(first.proc, first.proc.args)
+    wait_for([first])  # and every process of the first job is gone within 30 s
+    rc, stdout, err = run(plain(*common(corpus, tok_dir, out), "--max-steps", "5"))
     assert rc == 0 and "resumed from" in stdout, err[-3000:]
 
 
 @pytest.mark.slow
-def test_nan_gradients_are_skipped_by_every_rank_and_repeated_ones_roll_back(tmp_path, corpus, tok_dir, monkeypatch):
+def test_nan_gradients_are_skipped_by_every_rank_and_repeated_ones_roll_back(tmp_path, corpus, tok_dir):
     """A NaN loss on rank 1 alone at step 3 makes every rank's all-reduced gradient NaN: every rank skips
     that step (the weights stay finite, the step still counts). NaN at steps 9-12: after 3 in a row the
     ranks roll back together to the checkpoint of step 8 (at step 11, a log step) and go on with the data
     after it; the run finishes finite. The report counts 5 skipped steps and 1 rollback."""
     out = str(tmp_path / "run")
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", INJECT, *common(str(corpus), tok_dir, out)[1:], "--max-steps",
-           "16", "--save-every", "4", "--rollback-after", "3", "--num-workers", "0"]
-    monkeypatch.setenv("INJECT", "nan_grad=1:3,9,10,11,12")
-    rc, stdout, err = run_until(cmd)
+    rc, stdout, err = run(torchrun(2, *common(corpus, tok_dir, out), "--max-steps", "16", "--save-every", "4",
+                                   "--rollback-after", "3", script=INJECT), env={"INJECT": "nan_grad=1:3,9,10,11,12"})
     assert rc == 0, err[-3000:]
     assert re.search(rf"^3 steps in a row up to step 11 had a non-finite loss \(skipped\): rolled the weights and "
                      rf"optimizer back to {out}/checkpoints/step_000008; the data goes on after step 11 \(the "
@@ -146,13 +181,11 @@ def test_nan_gradients_are_skipped_by_every_rank_and_repeated_ones_roll_back(tmp
 
 
 @pytest.mark.slow
-def test_what_a_rollback_cannot_mend_stops_the_run_and_non_finite_weights_are_never_saved(tmp_path, corpus, tok_dir,
-                                                                                          monkeypatch):
+def test_what_a_rollback_cannot_mend_stops_the_run_and_non_finite_weights_are_never_saved(tmp_path, corpus, tok_dir):
     """NaN from step 2 on with no checkpoint yet (none is saved of weights that give a NaN loss): one line, a
     non-zero exit. Weights made NaN after step
     5: the save at step 6 is refused in one line (a NaN checkpoint would rotate the good ones out) and
     the newest checkpoint stays the one of step 3."""
-    base = [sys.executable, INJECT, *common(str(corpus), tok_dir, "OUT")[1:], "--num-workers", "0"]
     cases = {"nan_grad=0:" + ",".join(map(str, range(2, 30))): (["--rollback-after", "3", "--max-steps", "20"],
                                                                r"steps in a row up to step \d+ had a non-finite loss "
                                                                r"\(skipped\), and there is no checkpoint to roll back "
@@ -162,8 +195,7 @@ def test_what_a_rollback_cannot_mend_stops_the_run_and_non_finite_weights_are_ne
                                r"newest complete checkpoint")}
     for k, (inject, (flags, expected)) in enumerate(cases.items()):
         out = str(tmp_path / f"run{k}")
-        monkeypatch.setenv("INJECT", inject)
-        rc, _, err = run_until([out if a == "OUT" else a for a in base] + flags)
+        rc, _, err = run(plain(*common(corpus, tok_dir, out), *flags, script=INJECT), env={"INJECT": inject})
         assert rc == 2, err[-3000:]
         [line] = errors_of(err)
         assert re.search(expected, line), line
@@ -194,12 +226,11 @@ def test_a_loss_that_stays_nan_stops_the_run_and_no_checkpoint_left_gives_it(tmp
     checkpoint is moved aside, `latest` names step 4's, no hf/ is written; every checkpoint left gives a
     finite loss on a batch."""
     out = str(tmp_path / "run")
-    launch = [*TORCHRUN, "--nproc_per_node", "2"] if nproc == 2 else [sys.executable]
-    cmd = [*launch, *common(str(corpus), tok_dir, out), "--num-workers", "1", "--save-every", "1",
-           "--rollback-after", "3", "--max-steps", "40"]
-    rc, _, _ = run_until(cmd, crash_at(r"^saved .*step_000004"))
+    args = common(corpus, tok_dir, out, "--num-workers", "1", "--save-every", "1", "--rollback-after", "3",
+                  "--max-steps", "40")
+    rc, _, _ = run(torchrun(2, *args) if nproc == 2 else plain(*args), crash_at(r"^saved .*step_000004"))
     assert rc != 0
-    rc, stdout, err = run_until([*cmd, "--lr", "1e6"])
+    rc, stdout, err = run(torchrun(2, *args, "--lr", "1e6") if nproc == 2 else plain(*args, "--lr", "1e6"))
     assert rc == (2 if nproc == 1 else 1), err[-3000:]  # torchrun's code for a failed rank: 1
     [line] = errors_of(err)
     ckpts = os.path.join(out, "checkpoints")
@@ -222,43 +253,31 @@ def test_a_loss_that_stays_nan_stops_the_run_and_no_checkpoint_left_gives_it(tmp
 
 
 @pytest.mark.slow
-def test_a_sigkilled_torchrun_leaves_no_rank_behind_and_the_rerun_resumes_bitwise(tmp_path, corpus, tok_dir):
+def test_a_sigkilled_torchrun_leaves_no_rank_behind_and_the_rerun_resumes_bitwise(tmp_path, corpus, tok_dir,
+                                                                                  two_ranks_reference):
     """SIGKILL to torchrun's process group only (its ranks run in sessions of their own): the kernel sends
     every rank SIGTERM as its agent dies, so they stop together at the next step and save; every process
-    of the job is gone within 30 s (run_until fails otherwise). The same command then resumes and ends
+    of the job is gone within 30 s (run fails otherwise). The same command then resumes and ends
     bitwise equal to a run never interrupted."""
-    args = ["--num-workers", "1", "--save-every", "1000", "--max-steps", "14"]
-    ref, out = str(tmp_path / "ref"), str(tmp_path / "run")
-    rc, _, err = run_until([*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, ref), *args])
-    assert rc == 0, err[-3000:]
-    cmd = [*TORCHRUN, "--nproc_per_node", "2", *common(str(corpus), tok_dir, out), *args]
+    out = str(tmp_path / "run")
+    cmd = torchrun(2, *common(corpus, tok_dir, out), *TWO_RANKS, "--save-every", "1000")
 
     def kill_the_agent_at_step_5(line, proc):
         if line.startswith("step 5:"):
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own session (run_until): not the ranks'
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own session (run): not the ranks'
         return False
-    rc, stdout, err = run_until(cmd, kill_the_agent_at_step_5)
+    rc, stdout, err = run(cmd, kill_the_agent_at_step_5)
     assert rc == -signal.SIGKILL, err[-3000:]
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", stdout)[1])
     assert 5 <= stopped_at < 14 and f"saved {out}/checkpoints/step_{stopped_at:06d}" in stdout, stdout[-3000:]
-    rc, stdout, err = run_until(cmd)
+    rc, stdout, err = run(cmd)
     assert rc == 0 and f"resumed from {out}/checkpoints/step_{stopped_at:06d}" in stdout, err[-3000:]
-    a, b = final_weights(ref), final_weights(out)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_weights(final_weights(two_ranks_reference), final_weights(out))
 
 
 @pytest.mark.slow
-def test_a_plain_run_outlives_the_shell_that_started_it(tmp_path, corpus, tok_dir):
+def test_a_plain_run_outlives_the_shell_that_started_it(one_rank_reference):
     """Without torchrun there is no agent to die with: `python pretrain_ddp.py ... &` from a shell that then
     ends (a closed terminal, nohup) trains on to its end."""
-    out = str(tmp_path / "run")
-    plain = " ".join([sys.executable, *common(str(corpus), tok_dir, out), "--max-steps", "3", "--num-workers", "0"])
-    shell = subprocess.run(["sh", "-c", f"{plain} > {tmp_path}/log 2>&1 & echo $!"], capture_output=True, text=True,
-                           env=env(), cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=60)
-    pid = int(shell.stdout)
-    deadline = time.time() + 240
-    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:
-        time.sleep(0.5)
-    if os.path.exists(f"/proc/{pid}"):
-        os.kill(pid, signal.SIGKILL)
-    assert summary(out)["steps"] == 3, open(tmp_path / "log").read()[-3000:]
+    out, log = one_rank_reference
+    assert summary(out)["steps"] == 8, log.read_text()[-3000:]

@@ -93,7 +93,7 @@ def test_r8_has_its_official_split_and_8_labels():
 
 @pytest.mark.parametrize("extension", ["csv", "tsv", "jsonl"])
 @pytest.mark.parametrize("pair", [False, True])
-def test_files_in_each_format_with_and_without_pairs(tmp_path, extension, pair):
+def test_csv_tsv_and_jsonl_hold_out_a_fixed_tenth_or_take_an_eval_file(tmp_path, extension, pair):
     rows = river_rows(300, 0, pair)
     train = write_rows(tmp_path / f"train.{extension}", rows)
     held_out = read_task("--task", train)  # the default: a fixed 10% of the file is the test set
@@ -134,7 +134,7 @@ def glue_folder(tmp_path_factory):
     return folder
 
 
-def test_a_save_to_disk_folder(glue_folder):
+def test_a_save_to_disk_folder_gives_its_class_names_and_scores_on_validation(glue_folder):
     task = read_task("--task", glue_folder)
     assert task.labels == ["not_equivalent", "equivalent"]  # the ClassLabel's names, in its order
     assert (len(task.train), len(task.dev), len(task.test)) == (600, 0, 60)  # test unlabelled: validation scores
@@ -157,7 +157,7 @@ def test_epoch_batches_are_seeded_buckets_of_like_length():
     assert padded < 0.7 * unsorted and padded < 1.1 * sum(lengths)
 
 
-def test_macro_f1_and_seeds():
+def test_macro_f1_is_the_mean_of_per_class_f1_and_seed_lists_parse():
     predicted = torch.tensor([0, 0, 1, 2])
     labels = torch.tensor([0, 1, 1, 1])
     # per class F1 = 2TP / (2TP + FP + FN): class 0: 2/3, class 1: 2/4, class 2 (predicted, never true): 0
@@ -343,7 +343,7 @@ def test_the_same_seed_gives_the_same_result(tmp_path, micro):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["polarity", "r8"])
-def test_the_shipped_tasks_end_to_end(tmp_path, micro, task):
+def test_the_shipped_tasks_run_end_to_end_and_write_their_json(tmp_path, micro, task):
     out = str(tmp_path / "out.json")
     results = finetune.main([micro, "--task", task, "--max-train", "64", "--max-test", "48", "--max-len", "32",
                              "--out", out, *TRAIN_FAST])
@@ -354,7 +354,7 @@ def test_the_shipped_tasks_end_to_end(tmp_path, micro, task):
 
 
 @pytest.mark.slow
-def test_a_save_to_disk_folder_end_to_end(tmp_path, micro, glue_folder):
+def test_a_save_to_disk_folder_end_to_end_learns_the_pair_task(tmp_path, micro, glue_folder):
     results = finetune.main([micro, "--task", glue_folder, "--out", str(tmp_path / "out.json"), "--seeds", "1",
                              *LEARN])
     assert results["examples"]["test"] == 60 and results["accuracy_mean"] > 0.9  # the pair's first text decides
@@ -381,7 +381,7 @@ def run_dir(tokenizer, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_checkpoints_and_runs(tmp_path, capsys, run_dir):
+def test_every_checkpoint_is_scored_to_json_tensorboard_and_png_and_one_uses_its_own_weights(tmp_path, capsys, run_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     train = write_rows(tmp_path / "river.csv", river_rows(200, 0))
     results = finetune.main([run_dir, "--task", train, "--every-checkpoint", "--seeds", "2", "--epochs", "1"])

@@ -5,17 +5,26 @@ import json
 import os
 import random
 import re
-import subprocess
-import sys
 from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import test_data_stream as tds
-from conftest import ROOT, WORDS, marker
-from test_data_stream import make_stream, run_ranks, same_batches, tokens_per_shard
-from test_estimate_steps import check_against_stream, finish
+from conftest import (
+    ROOT,
+    WORDS,
+    Launch,
+    check_against_stream,
+    check_resume_from_cursor,
+    corpus_tokens,
+    make_stream,
+    marker,
+    plain,
+    run_ranks,
+    same_batches,
+    tokens_per_shard,
+    wait_for,
+)
 
 import data_stream as ds
 
@@ -116,7 +125,7 @@ def test_every_format_reads_the_documents_of_the_txt(formats, tokenizer, fmt):
     same_batches(list(make_stream(formats[fmt], tokenizer, objective="mlm", seed=2)),
                  list(make_stream(formats["txt"], tokenizer, objective="mlm", seed=2)))
     # two ranks (shards cut by bytes, which differ by format): every token of the corpus once
-    expected = tds.corpus_tokens(formats["txt"], tokenizer)
+    expected = corpus_tokens(formats["txt"], tokenizer)
     for path in (formats["txt"], formats[fmt]):
         shards = {}
         for batches in run_ranks(path, tokenizer, 2, 0, objective="mlm", mask_prob=0.0):
@@ -168,7 +177,7 @@ def test_nsp_on_records_equals_nsp_on_text(tmp_path, tokenizer):
         same_batches(list(make_stream(path, tokenizer, objective="nsp", seed=1)), reference)
 
 
-def test_mixed_directory_and_comma_list(tmp_path, corpus):
+def test_a_mixed_folder_or_a_comma_list_reads_every_document_once_and_skips_cache_files(tmp_path, corpus):
     docs = bert_documents(corpus)
     texts = [" ".join(doc) for doc in docs]
     mixed = tmp_path / "mixed"
@@ -225,16 +234,13 @@ def test_empty_records_are_skipped_with_a_count(tmp_path, tokenizer):
 
 # ----------------------------------------------------------------------------- bad input
 
-def start_cli(*args):
-    """data_stream.py in a subprocess, started now (the tests start several and then wait)."""
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "data_stream.py"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def cli(*args):
+    """data_stream.py with these arguments, started now (the tests start several, then wait_for them)."""
+    return Launch(plain(*args, script=os.path.join(ROOT, "data_stream.py")))
 
 
-@pytest.mark.slow  # subprocesses, or seconds of work
-def test_bad_records_give_one_line_errors(tmp_path, tokenizer):
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
+def bad_records(tmp_path):
+    """{corpus path: what data_stream.py's one error line must say}."""
     malformed = tmp_path / "malformed.jsonl"
     malformed.write_text('{"text": "Fine river ."}\n\n{"text": "broken" \n{"text": "never read ."}\n')
     no_field = tmp_path / "no_field.jsonl"
@@ -244,17 +250,32 @@ def test_bad_records_give_one_line_errors(tmp_path, tokenizer):
     no_column = write_parquet(tmp_path / "no_column.parquet", ["River stone ."] * 3, field="content")
     garbage = tmp_path / "garbage.parquet"
     garbage.write_bytes(b"PAR1" + bytes(random.Random(0).getrandbits(8) for _ in range(4000)) + b"PAR1")
-    cases = {str(malformed): [f"{malformed}, line 3: not valid JSON"],
-             str(no_field): [f"{no_field}, line 2: no field 'text'", "(it has: content, id)", "--text-field"],
-             str(number): [f"{number}, line 3", "'text' is a int, not text"],
-             no_column: [f"{no_column} has no column 'text'", "(it has: id, content)", "--text-field"],
-             str(garbage): [f"{garbage} does not read as parquet"]}
-    procs = {path: start_cli("--corpus", path, "--tokenizer", tok_dir, "--show", "1") for path in cases}
-    for path, messages in cases.items():
-        code, out, err = finish(procs[path])
-        assert code != 0 and "Traceback" not in err and "--- sample" not in out, (path, err)
-        assert len(err.strip().splitlines()) == 1 and err.startswith("data_stream.py: error: "), err
-        assert all(m in err for m in messages), (messages, err)
+    return {str(malformed): [f"{malformed}, line 3: not valid JSON"],
+            str(no_field): [f"{no_field}, line 2: no field 'text'", "(it has: content, id)", "--text-field"],
+            str(number): [f"{number}, line 3", "'text' is a int, not text"],
+            no_column: [f"{no_column} has no column 'text'", "(it has: id, content)", "--text-field"],
+            str(garbage): [f"{garbage} does not read as parquet"]}
+
+
+def test_bad_records_give_one_line_errors(tmp_path, tok_dir, capsys):
+    """data_stream.py's main() stops with its one line (a SystemExit: exit code 1, no traceback) and shows no
+    sample; as a process: test_a_bad_record_in_a_process_is_one_line_on_stderr."""
+    for path, messages in bad_records(tmp_path).items():
+        with pytest.raises(SystemExit) as stopped:
+            ds.main(["--corpus", path, "--tokenizer", tok_dir, "--show", "1"])
+        line = str(stopped.value.code)
+        assert "--- sample" not in capsys.readouterr().out, path
+        assert line.startswith("data_stream.py: error: ") and "\n" not in line, line
+        assert all(m in line for m in messages), (messages, line)
+
+
+@pytest.mark.slow  # subprocesses, or seconds of work
+def test_a_bad_record_in_a_process_is_one_line_on_stderr(tmp_path, tok_dir):
+    path, messages = list(bad_records(tmp_path).items())[-1]  # pyarrow's reader of a garbage file
+    code, out, err = wait_for([cli("--corpus", path, "--tokenizer", tok_dir, "--show", "1")], 300)[0]
+    assert code != 0 and "Traceback" not in err and "--- sample" not in out, (path, err)
+    assert len(err.strip().splitlines()) == 1 and err.startswith("data_stream.py: error: "), err
+    assert all(m in err for m in messages), (messages, err)
 
 
 def test_more_bad_inputs_name_the_problem_in_one_line(tmp_path):
@@ -283,32 +304,30 @@ def test_more_bad_inputs_name_the_problem_in_one_line(tmp_path):
 @pytest.mark.parametrize("fmt,objective,shuffle_block,num_workers",
                          [("jsonl", "nsp", 3, 2), ("jsonl", "mlm", 8192, 0), ("parquet", "nsp", 8192, 0),
                           ("parquet", "mlm", 4, 2)])
-def test_resume_from_cursor_on_records(formats, tokenizer, fmt, objective, shuffle_block, num_workers):
-    tds.test_resume_from_cursor_yields_exactly_the_rest(formats[fmt], tokenizer, objective, shuffle_block,
-                                                        num_workers)
+def test_resume_from_cursor_on_records_yields_exactly_the_rest(formats, tokenizer, fmt, objective, shuffle_block,
+                                                              num_workers):
+    check_resume_from_cursor(formats[fmt], tokenizer, objective, shuffle_block, num_workers)
 
 
 @pytest.mark.parametrize("fmt,world_size,num_workers,objective,batch_size,epochs",
                          [("jsonl", 2, 2, "nsp", 8, 1), ("parquet", 3, 0, "mlm", 4, 2)])
-def test_estimator_exact_on_records(formats, tokenizer, fmt, world_size, num_workers, objective, batch_size, epochs):
+def test_estimator_s_exact_count_equals_the_stream_on_records(formats, tokenizer, fmt, world_size, num_workers,
+                                                              objective, batch_size, epochs):
     real = check_against_stream(formats[fmt], tokenizer, world_size, num_workers, objective, batch_size, epochs)
     assert sum(map(len, real[0])) >= 8
 
 
 @pytest.mark.slow  # subprocesses, or seconds of work
-def test_cli_show_and_bench_on_records(formats, tmp_path, tokenizer):
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
-    shows = {fmt: start_cli("--corpus", formats[fmt], "--tokenizer", tok_dir, "--show", "2")
-             for fmt in ("jsonl", "parquet")}
-    shows = {fmt: finish(proc) for fmt, proc in shows.items()}  # two at a time, as before the bench moved
-    benches = {fmt: subprocess.Popen([sys.executable, os.path.join(ROOT, "bench", "stream_bench.py"), "--corpus",
-                                      formats[fmt], "--tokenizer", tok_dir, "--seconds", "1"],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for fmt in ("jsonl", "parquet")}
-    for fmt, proc in benches.items():
-        (code, out, err), (bench_code, bench_out, bench_err) = shows[fmt], finish(proc)
-        assert code == 0 and bench_code == 0, (fmt, err, bench_err)
+def test_cli_show_and_stream_bench_decode_the_records_words(formats, tok_dir, capsys):
+    benches = [Launch(plain("--corpus", formats[fmt], "--tokenizer", tok_dir, "--seconds", "1",
+                            script=os.path.join(ROOT, "bench", "stream_bench.py"))) for fmt in ("jsonl", "parquet")]
+    shows = []
+    for fmt in ("jsonl", "parquet"):  # data_stream.py --show, in-process while the benches start
+        ds.main(["--corpus", formats[fmt], "--tokenizer", tok_dir, "--show", "2"])
+        shows.append(capsys.readouterr().out)
+    for fmt, out, (bench_code, bench_out, bench_err) in zip(("jsonl", "parquet"), shows, wait_for(benches, 300),
+                                                            strict=True):
+        assert bench_code == 0, (fmt, bench_err)
         out += bench_out
         assert "corpus: 1 file(s), 120 documents" in out and out.count("--- sample") == 2, out
         assert re.search(r"stream: [\d,]+ samples/s, [\d,]+ tokens/s", out), out
@@ -316,7 +335,7 @@ def test_cli_show_and_bench_on_records(formats, tmp_path, tokenizer):
         assert sum(w in WORDS for w in shown) > 0.5 * len(shown), out  # the records' words, decoded
 
 
-def test_what_a_real_folder_holds(tmp_path, tokenizer):
+def test_a_real_folder_skips_hidden_folders_and_reads_nested_splits_categoricals_and_bad_utf8(tmp_path):
     """A DatasetDict nested in a corpus folder reads one split; hidden folders (notebook checkpoints)
     are skipped; a categorical (dictionary) column reads; bad UTF-8 in a jsonl record is replaced
     and counted; an error in a .jsonl.gz names the user's file, not the cache's copy."""

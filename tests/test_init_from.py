@@ -3,39 +3,25 @@ take the source's tokenizer and shape, say in one line what does not fit, and re
 checkpoints after a crash."""
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_checkpoints import crash_at, final_weights, run_until
-from test_multinode import ARGS, free_port, make_nodes, run_nodes, static
-from test_pretrain_ddp import SCRIPT, env, run, summary
+from conftest import FAST, crash_at, final_weights, plain, run, summary
 
 import data_stream
 import pretrain_ddp as P
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer
 
-FAST = ["--batch-size", "4", "--log-every", "1", "--eval-every", "1000", "--log-to", "stdout", "--num-workers", "0"]
-
 
 @pytest.fixture(scope="module")
-def phase1(corpus, tokenizer, tmp_path_factory):
-    """An mlm run at 32 tokens (its model has BERT's 512 positions), and its tokenizer folder."""
+def phase1(corpus, tok_dir, tmp_path_factory):
+    """An mlm run at 32 tokens (its model has BERT's 512 positions) with the session tokenizer."""
     out = str(tmp_path_factory.mktemp("phase1") / "run")
-    tok = os.path.join(os.path.dirname(out), "tok")
-    tokenizer.save_pretrained(tok)
-    result = run(["--corpus", corpus, "--tokenizer", tok, "--out-dir", out, "--objective", "mlm", "--max-seq-len", "32",
-                  "--max-steps", "4", *FAST])
+    result = run(plain("--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", out, "--objective", "mlm", *FAST,
+                       "--max-steps", "4"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out
-
-
-@pytest.fixture(scope="module")
-def tok_dir(phase1):
-    return os.path.join(os.path.dirname(phase1), "tok")
 
 
 def body(state):
@@ -46,9 +32,9 @@ def body(state):
 def test_phase2_takes_weights_and_tokenizer_then_resumes_its_own(tmp_path, corpus, phase1):
     out = str(tmp_path / "phase2")
     # lr 0: AdamW moves nothing, so the weights saved are what the run started from
-    cmd = [sys.executable, SCRIPT, "--corpus", corpus, "--init-from", phase1, "--objective", "nsp",
-           "--max-seq-len", "64", "--lr", "0", "--out-dir", out, "--max-steps", "3", "--save-every", "1", *FAST]
-    rc, stdout, stderr = run_until(cmd, crash_at(r"^step 2:"))  # SIGKILL, as a crash would
+    cmd = plain("--corpus", corpus, "--init-from", phase1, "--objective", "nsp", *FAST, "--max-seq-len", "64",
+                "--lr", "0", "--out-dir", out, "--max-steps", "3", "--save-every", "1")
+    rc, stdout, stderr = run(cmd, crash_at(r"^step 2:"))  # SIGKILL, as a crash would
     assert rc != 0 and "initialised from" in stdout and "step_000004" in stdout, stderr[-3000:]
     assert "the NSP head starts fresh" in stderr
     source, started = body(final_weights(phase1)), body(final_weights(out))
@@ -58,14 +44,15 @@ def test_phase2_takes_weights_and_tokenizer_then_resumes_its_own(tmp_path, corpu
     assert data_stream.tokenizer_hash(data_stream.get_tokenizer(os.path.join(out, "tokenizer"))) == \
         data_stream.tokenizer_hash(data_stream.get_tokenizer(os.path.join(phase1, "tokenizer")))
     # the same command again: it resumes its own checkpoint, not the source
-    rc, stdout, stderr = run_until(cmd)
+    rc, stdout, stderr = run(cmd)
     assert rc == 0, stderr[-3000:]
     assert f"resumed from {out}/checkpoints/step_00000" in stdout and "initialised" not in stdout
     assert "has checkpoints of its own" in stderr
     assert summary(out)["steps"] == 3  # a plan of its own from step 0, not the source's step 4
 
 
-def test_hugging_face_folders_and_what_does_not_fit(tmp_path, corpus, tok_dir, phase1):
+def test_a_hugging_face_folder_of_any_shape_starts_a_run_and_what_does_not_fit_is_one_line(tmp_path, corpus, tok_dir,
+                                                                                            phase1):
     from transformers import BertConfig, BertModel
     # A Hugging Face BertModel of a shape not in MODEL_SIZES, without heads and without a tokenizer.
     bare = str(tmp_path / "bare")
@@ -73,8 +60,8 @@ def test_hugging_face_folders_and_what_does_not_fit(tmp_path, corpus, tok_dir, p
                         intermediate_size=256, max_position_embeddings=128)
     BertModel(config).save_pretrained(bare)
     out = str(tmp_path / "from_bare")
-    result = run(["--corpus", corpus, "--init-from", bare, "--tokenizer", tok_dir, "--max-seq-len", "32",
-                  "--out-dir", out, "--max-steps", "1", *FAST])
+    result = run(plain("--corpus", corpus, "--init-from", bare, "--tokenizer", tok_dir, *FAST, "--out-dir", out,
+                       "--max-steps", "1"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "BERT-3L-64H-2A nsp" in result.stdout
     assert "the MLM head starts fresh" in result.stderr and "the NSP head starts fresh" in result.stderr
@@ -86,8 +73,7 @@ def test_hugging_face_folders_and_what_does_not_fit(tmp_path, corpus, tok_dir, p
     (roberta / "config.json").write_text('{"model_type": "roberta"}')
     base = ["--corpus", corpus, "--out-dir", str(tmp_path / "o"), *FAST]
     # One case end to end (exit code 2, one line, no traceback), the others where rank 0 decides, in-process.
-    result = subprocess.run([sys.executable, SCRIPT, *base, "--init-from", bare], capture_output=True, text=True,
-                            timeout=180, env=env())
+    result = run(plain(*base, "--init-from", bare), timeout=180)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "has no tokenizer: give the one its model was trained with (--tokenizer DIR)" in result.stderr
     data_stream.get_tokenizer(None, [corpus], vocab_size=200).save_pretrained(str(tmp_path / "other_tok"))
@@ -101,27 +87,5 @@ def test_hugging_face_folders_and_what_does_not_fit(tmp_path, corpus, tok_dir, p
              (["--init-from", str(roberta)], "holds a roberta model"),
              (["--init-from", str(tmp_path)], "is not a checkpoint folder, a run's out dir or a Hugging Face")]
     for extra, message in cases:
-        with pytest.raises(P.UserError, match=re.escape(message)):
+        with pytest.raises(P.USER_ERRORS, match=re.escape(message)):
             P.plan_run(P.parse_args([*base, *extra]), torch.device("cpu"), None, P.Rank0Only())
-
-
-def test_a_node_without_the_source_gets_it_from_rank_0(tmp_path, corpus, phase1):
-    """Node-local disks: node 0 has the source folder, node 1 has another model under that name
-    (or none): every rank must start from node 0's weights."""
-    nodes = make_nodes(tmp_path, corpus)
-    shutil.copytree(os.path.join(phase1, "hf"), os.path.join(nodes[0], "source"))
-    from transformers import BertForMaskedLM
-    other = BertForMaskedLM.from_pretrained(os.path.join(nodes[0], "source"))
-    torch.nn.init.normal_(other.bert.embeddings.word_embeddings.weight)
-    other.save_pretrained(os.path.join(nodes[1], "source"))
-    shutil.copytree(os.path.join(phase1, "tokenizer"), os.path.join(nodes[1], "source"), dirs_exist_ok=True)
-    args = list(ARGS)
-    args[args.index("--max-steps") + 1] = "2"
-    # an mlm source (the run's Hugging Face export) into an mlm run: every weight comes from it, nothing fresh
-    results = run_nodes(nodes, static(free_port()),
-                        [*args, "--init-from", "source", "--objective", "mlm", "--lr", "0"])
-    assert all(rc == 0 for rc, _, _ in results), results
-    assert "starts fresh" not in results[0][2]
-    source, started = final_weights(phase1), final_weights(os.path.join(nodes[0], "run"))
-    assert source.keys() == started.keys() and all(torch.equal(source[k], started[k]) for k in source)
-

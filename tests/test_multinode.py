@@ -8,23 +8,18 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 
 import pytest
 import torch
-from conftest import ROOT, write_corpus
-from test_checkpoints import TORCHRUN as STANDALONE
-from test_checkpoints import final_weights, run_until
-from test_pretrain_ddp import SCRIPT, env
+from conftest import FAST, ROOT, SCRIPT, Launch, final_weights, run, same_weights, torchrun, wait_for, write_corpus
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer
 
 AGENT = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
-ARGS = ["--corpus", "corpus.txt", "--vocab-size", "300", "--eval-corpus", "none", "--out-dir", "run",
-        "--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--log-to", "stdout", "--num-workers", "0",
+ARGS = ["--corpus", "corpus.txt", "--vocab-size", "300", "--eval-corpus", "none", "--out-dir", "run", *FAST,
         "--save-every", "4", "--max-steps", "12"]
 
 
@@ -79,39 +74,15 @@ def kill(nodes, workers_only=False):
 
 
 def run_nodes(nodes, launches, args, on_line=None, timeout=150, extra=((), ()), variables=({}, {})):
-    """One torchrun agent per node (node k's command line ends with extra[k], its environment has
-    variables[k]); on_line(k, line) sees every stdout line of node k. Returns [(exit code, stdout,
-    stderr)] per node; a job past timeout is killed and fails the test."""
-    procs = [subprocess.Popen([*AGENT, *launch, SCRIPT, *args, *more], cwd=node, text=True, start_new_session=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**env(), "BERT_DDP_CACHE": os.path.join(node, "cache"), **more_variables})
-             for node, launch, more, more_variables in zip(nodes, launches, extra, variables, strict=True)]
-    outs, errs = [[] for _ in nodes], [[] for _ in nodes]
-
-    def read_out(k):
-        for line in procs[k].stdout:
-            outs[k].append(line)
-            if on_line:
-                on_line(k, line)
-
-    readers = [threading.Thread(target=read_out, args=(k,)) for k in range(len(nodes))]
-    readers += [threading.Thread(target=lambda k=k: errs[k].extend(procs[k].stderr)) for k in range(len(nodes))]
-    for t in readers:
-        t.start()
-    fired = []
-    timer = threading.Timer(timeout, lambda: (fired.append(1), kill(nodes)))
-    timer.start()
-    for proc in procs:
-        proc.wait()
-    timer.cancel()
-    for t in readers:
-        t.join()
-    deadline = time.time() + 30
-    while any(processes_in(n) for n in nodes) and time.time() < deadline:
-        time.sleep(0.1)
-    results = [(p.returncode, "".join(o), "".join(e)) for p, o, e in zip(procs, outs, errs, strict=True)]
-    assert not fired, f"timed out after {timeout} s (a hang?): {results}"[-4000:]
-    return results
+    """The two-agent launcher: one torchrun agent per node, in the node's directory with its own cache (node k's
+    command line ends with extra[k], its environment has variables[k]); on_line(k, line) sees every stdout line
+    of node k. Returns [(exit code, stdout, stderr)] per node; a job past timeout is killed and fails the test,
+    and so does a process of it alive 30 s after its agent ended (wait_for)."""
+    return wait_for([Launch([*AGENT, *launch, SCRIPT, *args, *more],
+                            on_line and (lambda line, proc, k=k: on_line(k, line)), node,
+                            {"BERT_DDP_CACHE": os.path.join(node, "cache"), **more_variables})
+                     for k, (node, launch, more, more_variables) in enumerate(zip(nodes, launches, extra, variables,
+                                                                                   strict=True))], timeout)
 
 
 def folder_digest(path):
@@ -119,10 +90,6 @@ def folder_digest(path):
     for name in sorted(os.listdir(path)):
         digest.update(name.encode() + open(os.path.join(path, name), "rb").read())
     return digest.hexdigest()
-
-
-def same_weights(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(tmp_path, corpus):
@@ -153,9 +120,8 @@ def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(tmp_path, corpus):
     assert not os.path.exists(os.path.join(nodes[1], "run", "checkpoints"))  # only rank 0's node holds them
 
     ref = str(tmp_path / "ref")
-    rc, _, err = run_until([*STANDALONE, "--nproc_per_node", "2", SCRIPT, *ARGS[:ARGS.index("--out-dir")],
-                            "--corpus", os.path.join(nodes[0], "corpus.txt"), "--tokenizer", kept,
-                            *ARGS[ARGS.index("--out-dir"):], "--out-dir", ref])
+    rc, _, err = run(torchrun(2, *ARGS, "--corpus", os.path.join(nodes[0], "corpus.txt"), "--tokenizer", kept,
+                              "--out-dir", ref))
     assert rc == 0, err[-3000:]
     assert same_weights(final_weights(ref), final_weights(os.path.join(nodes[0], "run")))
 
@@ -215,20 +181,12 @@ def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, 
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tokenizer, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tok"))
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory, corpus, tok_dir):
-    """Final weights of the job below, uninterrupted, on one node."""
+    """The out dir of the job below, uninterrupted, on one node."""
     out = str(tmp_path_factory.mktemp("reference") / "run")
-    rc, _, err = run_until([*STANDALONE, "--nproc_per_node", "2", SCRIPT, *ARGS, "--corpus", corpus,
-                            "--tokenizer", tok_dir, "--out-dir", out])
+    rc, _, err = run(torchrun(2, *ARGS, "--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", out))
     assert rc == 0, err[-3000:]
-    return final_weights(out)
+    return out
 
 
 @pytest.mark.parametrize("victim", ["other node", "rank 0's node"])
@@ -251,7 +209,7 @@ def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, t
     assert len(holder) == 1  # shared nothing: one node's out dir holds every checkpoint
     stdout = results[holder[0]][1]
     assert "resumed from run/checkpoints/step_000004 at step 4" in stdout, stdout[-3000:]
-    assert same_weights(reference, final_weights(os.path.join(nodes[holder[0]], "run")))
+    assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[holder[0]], "run")))
 
 
 def test_restarts_used_up_end_every_agent_with_one_line(tmp_path, corpus, tok_dir):
@@ -304,4 +262,23 @@ def test_a_sigkilled_agent_of_the_second_node_stops_the_job_and_the_rerun_resume
     results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tok_dir])
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     assert f"resumed from run/checkpoints/step_{stopped_at:06d}" in results[0][1]
-    assert same_weights(reference, final_weights(os.path.join(nodes[0], "run")))
+    assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[0], "run")))
+
+
+def test_a_node_without_the_init_from_source_gets_it_from_rank_0(tmp_path, corpus, reference):
+    """--init-from on node-local disks: node 0 has the source folder, node 1 has another model under that name
+    (with the same tokenizer): every rank starts from node 0's weights."""
+    from transformers import BertForPreTraining
+    nodes = make_nodes(tmp_path, corpus)
+    shutil.copytree(os.path.join(reference, "hf"), os.path.join(nodes[0], "source"))
+    other = BertForPreTraining.from_pretrained(os.path.join(nodes[0], "source"))
+    torch.nn.init.normal_(other.bert.embeddings.word_embeddings.weight)
+    other.save_pretrained(os.path.join(nodes[1], "source"))
+    shutil.copytree(os.path.join(reference, "tokenizer"), os.path.join(nodes[1], "source"), dirs_exist_ok=True)
+    args = list(ARGS)
+    args[args.index("--max-steps") + 1] = "2"
+    # an nsp source (the run's Hugging Face export) into an nsp run: every weight comes from it, nothing fresh
+    results = run_nodes(nodes, static(free_port()), [*args, "--init-from", "source", "--lr", "0"])
+    assert all(rc == 0 for rc, _, _ in results), results
+    assert "starts fresh" not in results[0][2]
+    assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[0], "run")))

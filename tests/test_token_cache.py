@@ -12,8 +12,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import ROOT, write_corpus
-from test_data_stream import loader, make_stream, same_batches
+from conftest import ROOT, loader, make_stream, same_batches, write_corpus
 
 import data_stream as ds
 import estimate_steps as es
@@ -78,8 +77,8 @@ def assert_cache_complete(stream, fresh):
 
 
 @pytest.mark.parametrize("objective,num_workers", [("nsp", 0), ("mlm", 0), ("nsp", 2)])
-def test_warm_cache_equals_cold_and_none(corpus, tokenizer, tmp_path, monkeypatch, small_pieces, objective,
-                                         num_workers):
+def test_a_warm_cache_reads_no_text_and_yields_the_batches_of_a_cold_one(corpus, tokenizer, tmp_path, monkeypatch,
+                                                                         small_pieces, objective, num_workers):
     kw = dict(objective=objective, seed=3)
 
     def epoch_1(token_cache):
@@ -190,9 +189,8 @@ for seed, epoch in {passes!r}:
 
 
 @pytest.mark.slow  # subprocesses, or seconds of work
-def test_two_processes_fill_one_cache(corpus, tokenizer, tmp_path, monkeypatch):
-    tok_dir, cache, go = str(tmp_path / "tok"), str(tmp_path / "tc"), str(tmp_path / "go")
-    tokenizer.save_pretrained(tok_dir)
+def test_two_processes_fill_one_cache_at_once_without_damage(corpus, tokenizer, tok_dir, tmp_path, monkeypatch):
+    cache, go = str(tmp_path / "tc"), str(tmp_path / "go")
     procs, ready = [], []
     # First the same documents in the same order (identical pieces at the same moments), then in
     # other orders while the other process may still be writing.

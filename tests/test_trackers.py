@@ -3,55 +3,22 @@ with each tracker's own reader (MlflowClient; W&B's offline transaction log), an
 the same tracker run."""
 import json
 import os
-import re
 import signal
 import struct
-import subprocess
-import sys
-import threading
 
 import pytest
-from conftest import ROOT
+from conftest import FAST, logged, plain, run, summary
 
 pytestmark = pytest.mark.slow  # every test here starts the trainer
 
-SCRIPT = os.path.join(ROOT, "pretrain_ddp.py")
-FAST = ["--max-seq-len", "32", "--batch-size", "4", "--log-every", "1", "--num-workers", "0"]
 
 
-def run(args, cwd, timeout=180, stop_at=None, **variables):
-    """The trainer in a subprocess, with no tracker settings but the test's (not the machine's);
-    SIGTERM once a stdout line starts with stop_at."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "WANDB_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MLFLOW_DISABLE_TELEMETRY="true", **variables)
-    proc = subprocess.Popen([sys.executable, SCRIPT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=cwd)
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    errors = []
-    reader = threading.Thread(target=lambda: errors.extend(proc.stderr))
-    reader.start()
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if stop_at and line.startswith(stop_at):
+def stop_at(prefix):
+    """on_line for run: SIGTERM to the trainer (it saves and exits) once a stdout line starts with prefix."""
+    def on_line(line, proc):
+        if line.startswith(prefix):
             proc.send_signal(signal.SIGTERM)
-    proc.wait()
-    reader.join()
-    timer.cancel()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, "".join(lines), "".join(errors))
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tokenizer, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("tok"))
-    tokenizer.save_pretrained(path)
-    return path
-
-
-def printed(stdout, name):
-    """{step: value} of a scalar as the stdout sink printed it (4 significant digits)."""
-    return {int(step): float(v) for step, v in re.findall(rf"^step (\d+): .*\b{name} ([-\d.e+]+)", stdout, re.M)}
+    return on_line
 
 
 def latest_meta(out_dir):
@@ -102,13 +69,12 @@ def test_mlflow_and_wandb_log_the_run_and_a_resume_continues_both(tmp_path, corp
     args = ["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", corpus, "--out-dir", out, *FAST,
             "--eval-every", "2", "--save-every", "2", "--log-to", "stdout,mlflow,wandb"]
     variables = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_NAME": "bert-test", "WANDB_MODE": "offline"}
-    first = run([*args, "--max-steps", "6"], tmp_path, stop_at="step 4:", **variables)  # SIGTERM: saves, exits
+    first = run(plain(*args, "--max-steps", "6"), stop_at("step 4:"), cwd=tmp_path, env=variables)  # saves, exits
     assert first.returncode == 0 and "stopped by signal" in first.stdout, first.stderr[-3000:]
-    second = run([*args, "--max-steps", "6", "--keep-last", "5"], tmp_path, **variables)
+    second = run(plain(*args, "--max-steps", "6", "--keep-last", "5"), cwd=tmp_path, env=variables)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout and "mlflow: continuing run" in second.stdout
-    with open(os.path.join(out, "summary.json")) as f:
-        summary = json.load(f)
+    s = summary(out)
     kept = latest_meta(out)["tracker_runs"]
 
     from mlflow import MlflowClient
@@ -122,13 +88,13 @@ def test_mlflow_and_wandb_log_the_run_and_a_resume_continues_both(tmp_path, corp
     assert params["keep_last"] == "3" and tags["resumed/keep_last"] == "5"  # params are write-once
     # the train loss at every logged step, as the stdout sink printed it in both processes
     losses = {m.step: m.value for m in client.get_metric_history(mlflow_run.info.run_id, "train/loss")}
-    expected = {**printed(first.stdout, "train/loss"), **printed(second.stdout, "train/loss")}
+    expected = {**logged(first.stdout, "train/loss"), **logged(second.stdout, "train/loss")}
     assert sorted(losses) == sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert all(losses[step] == pytest.approx(expected[step], rel=1e-3) for step in expected)
-    assert losses[6] == pytest.approx(summary["train_loss"], rel=1e-9)
+    assert losses[6] == pytest.approx(s["train_loss"], rel=1e-9)
     evals = client.get_metric_history(mlflow_run.info.run_id, "eval/mlm_loss")
     assert {2, 4, 6} <= {m.step for m in evals}  # (and the step the signal stopped at, if not 4)
-    assert mlflow_run.data.metrics["eval/mlm_loss"] == pytest.approx(summary["eval"]["eval/mlm_loss"], rel=1e-9)
+    assert mlflow_run.data.metrics["eval/mlm_loss"] == pytest.approx(s["eval"]["eval/mlm_loss"], rel=1e-9)
 
     # W&B offline: one folder per process, both of the run kept in the checkpoint
     folders = sorted(n for n in os.listdir(os.path.join(out, "wandb")) if n.startswith("offline-run-"))
@@ -136,15 +102,15 @@ def test_mlflow_and_wandb_log_the_run_and_a_resume_continues_both(tmp_path, corp
     assert len(runs) == 2 and runs[0][0] == runs[1][0] == kept["wandb"]
     _, name, last = runs[1]
     assert name == "run" and last["step"] == 6
-    assert last["train/loss"] == pytest.approx(summary["train_loss"], rel=1e-9)
-    assert last["eval/mlm_loss"] == pytest.approx(summary["eval"]["eval/mlm_loss"], rel=1e-9)
+    assert last["train/loss"] == pytest.approx(s["train_loss"], rel=1e-9)
+    assert last["eval/mlm_loss"] == pytest.approx(s["eval"]["eval/mlm_loss"], rel=1e-9)
 
 
 def test_mlflow_default_is_a_database_in_the_working_directory(tmp_path, corpus, tok_dir):
     work = tmp_path / "work"
     work.mkdir()
-    result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", "run", *FAST,
-                  "--max-steps", "2", "--log-to", "stdout,mlflow"], work)
+    result = run(plain("--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", "run", *FAST,
+                       "--max-steps", "2", "--log-to", "stdout,mlflow"), timeout=180, cwd=work)
     assert result.returncode == 0, result.stderr[-3000:]
     uri = f"sqlite:///{work / 'mlflow.db'}"
     assert f"open it with: mlflow ui --backend-store-uri {uri}" in result.stdout
@@ -181,24 +147,24 @@ def test_unreachable_mlflow_server_one_warning_and_the_run_finishes(tmp_path, co
     out, counter, patch = tmp_path / "run", tmp_path / "connects", tmp_path / "count_connects"
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(COUNT_CONNECTS)
-    result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", str(out),
-                  *FAST, "--max-steps", "2", "--log-to", "stdout,mlflow"], tmp_path,
-                 MLFLOW_TRACKING_URI="http://127.0.0.1:9",  # the discard port: nothing listens
-                 PYTHONPATH=str(patch), CONNECTS_TO_PORT_9=str(counter))
+    result = run(plain("--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none", "--out-dir", str(out),
+                       *FAST, "--max-steps", "2", "--log-to", "stdout,mlflow"), timeout=180, cwd=tmp_path,
+                 env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9",  # the discard port: nothing listens
+                      "PYTHONPATH": str(patch), "CONNECTS_TO_PORT_9": str(counter)})
     assert result.returncode == 0, result.stderr[-3000:]
     assert counter.read_text() == "3"  # one request, tried once and retried twice, then mlflow is dropped
     warnings = [line for line in result.stderr.splitlines() if "mlflow" in line.lower()]
     assert len(warnings) == 1 and warnings[0].startswith("warning: --log-to mlflow:"), result.stderr
     assert "Traceback" not in result.stderr and "MLFLOW_TRACKING_URI" in warnings[0]
-    assert (out / "summary.json").exists() and printed(result.stdout, "train/loss").keys() == {1, 2}
+    assert (out / "summary.json").exists() and logged(result.stdout, "train/loss").keys() == {1, 2}
 
 
-def test_wandb_not_installed_one_line(tmp_path, corpus, tok_dir):
+def test_wandb_not_installed_is_one_line_naming_the_package(tmp_path, corpus, tok_dir):
     hidden = tmp_path / "hidden" / "wandb"  # as when it is not installed, whatever this machine has
     hidden.mkdir(parents=True)
     (hidden / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
-    result = run(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"),
-                  "--log-to", "stdout,wandb"], tmp_path, timeout=300, PYTHONPATH=str(hidden.parent))
+    result = run(plain("--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"),
+                       "--log-to", "stdout,wandb"), timeout=300, cwd=tmp_path, env={"PYTHONPATH": str(hidden.parent)})
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
         "pretrain_ddp.py: error: --log-to wandb needs the wandb package: pip install wandb "

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import FAST, ROOT, TESTS, plain, run
 
 import data_stream
 import pretrain_ddp as P
@@ -29,12 +29,11 @@ def test_workers_start_from_a_forkserver_and_the_eval_loader_persists(corpus, to
     assert P.make_loader(stream, 0, torch.device("cpu"), 60).timeout == 0  # no worker: nothing to wait for
 
 
-def test_workers_take_our_modules_not_the_working_directory_s(corpus, tokenizer, tmp_path):
+@pytest.mark.slow  # a process, and a DataLoader worker from a forkserver
+def test_workers_take_our_modules_not_the_working_directory_s(corpus, tok_dir, tmp_path):
     """The forkserver finds modules from the working directory first: a data_stream.py or model.py there (a
     user's project has one) must not become the workers' (it did: the stream's module was preloaded). The
     workers unpickle the collate function, model.sparse_targets, so they import model.py too."""
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
     for name in ("data_stream", "model"):
         (tmp_path / f"{name}.py").write_text(f"raise SystemExit('the working directory {name}.py')\n")
     code = ("import sys, torch\n"
@@ -48,20 +47,15 @@ def test_workers_take_our_modules_not_the_working_directory_s(corpus, tokenizer,
 
 
 @pytest.mark.slow
-def test_a_hung_worker_ends_the_run_in_one_line(tmp_path, corpus, tokenizer):
-    """A worker that never sends a batch: the rank stops after --dist-timeout (0.25 min here) with one
+def test_a_hung_worker_ends_the_run_in_one_line(tmp_path, corpus, tok_dir):
+    """A worker that never sends a batch: the rank stops after --dist-timeout (0.1 min here) with one
     line, not a silent hang (before: forever). The verdict does not depend on load: the worker never
     answers, so the run fails either way, and the test's own limit is far above the timeout."""
-    tok_dir = str(tmp_path / "tok")
-    tokenizer.save_pretrained(tok_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "hang_in_worker"), ROOT])}
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_ddp.py"), "--corpus", corpus,
-                             "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"), "--max-seq-len", "32",
-                             "--batch-size", "4", "--max-steps", "2", "--eval-corpus", "none", "--log-to", "stdout",
-                             "--num-workers", "1", "--dist-timeout", "0.25"],
-                            capture_output=True, text=True, timeout=480, env=env, cwd=ROOT)
-    errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    code, _, stderr = run(plain("--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"), *FAST,
+                                "--max-steps", "2", "--eval-corpus", "none", "--num-workers", "1",
+                                "--dist-timeout", "0.1"),
+                          env={"PYTHONPATH": os.pathsep.join([os.path.join(TESTS, "hang_in_worker"), ROOT])})
+    errors = [line for line in stderr.splitlines() if "error" in line]
+    assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
     assert len(errors) == 1 and "no batch from this rank's DataLoader workers within --dist-timeout" in errors[0], \
-        result.stderr[-3000:]
+        stderr[-3000:]
