@@ -49,10 +49,11 @@ def clean_run(tmp_path_factory, corpus, tok_dir):
 
 @pytest.mark.slow
 def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, tok_dir):
-    """2 ranks with 2 DataLoader workers each, SIGKILL between two saves, then again after the epoch
-    boundary (reshuffle, new loaders); the newest checkpoint damaged and a half-written one left
-    behind: the resume takes the one before (before the boundary), and the run ends bitwise equal
-    to an uninterrupted one."""
+    """2 ranks with 2 DataLoader workers each, SIGKILL between two saves after the epoch boundary
+    (reshuffle, new loaders); the newest checkpoint damaged and a half-written one left behind: the
+    resume takes the one before (mid-epoch 0, before the boundary), and the run ends bitwise equal to
+    an uninterrupted one. (A kill before the boundary, with its resume, used to run first: the final
+    resume from mid-epoch 0 covers it, and the launch cost ~15 s of the suite.)"""
     # 40 documents: 9-12 steps per epoch (the test's 120 would take ~33, and this test 2.5x longer)
     corpus = write_corpus(tmp_path / "corpus.txt", 40)
     args = ["--num-workers", "2", "--batch-size", "8", "--accum-steps", "2", "--epochs", "2", "--save-every", "4",
@@ -63,10 +64,8 @@ def test_sigkill_anywhere_then_resume_is_bitwise_exact(tmp_path, tok_dir):
     assert re.search(r"epoch 0 ended at step (9|10|11|12)\b", out), out[-3000:]  # before the save at 12
     killed = str(tmp_path / "killed")
     cmd = torchrun(2, *common(corpus, tok_dir, killed), *args)
-    rc, out, _ = run(cmd, crash_at(r"^step 6:"))  # between two saves
-    assert rc != 0 and "step 6:" in out
     rc, out, _ = run(cmd, crash_at(r"^step 1[3-5]:"))  # after the epoch boundary and the save at 12
-    assert rc != 0 and "resumed from" in out
+    assert rc != 0 and re.search(r"^step 1[3-5]:", out, re.M) and "epoch 0 ended at step" in out
     # Damage the newest checkpoint and leave a half-written one behind, as a kill during a save would.
     ckpts = sorted(glob.glob(os.path.join(killed, "checkpoints", "step_*")))
     with open(os.path.join(ckpts[-1], "trainer.pt"), "r+b") as f:
