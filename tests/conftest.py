@@ -245,6 +245,28 @@ def run(cmd, on_line=None, timeout=480, cwd=ROOT, env=None):
     return wait_for([Launch(cmd, on_line, cwd, env)], timeout)[0]
 
 
+def run_main(*args):
+    """`python pretrain_ddp.py ARGS` run by main() in this process: for a 1-rank run that ends well and that a test
+    reads the output and files of (a shared run, a resume). It is the same main() without a new process's ~5 CPU s
+    of imports (a dozen of these were a minute of the suite); the ends of the real command (exit codes, one-line
+    errors, signals, torchrun) are run() tests'. Returns Result(0, stdout, stderr); a failure raises here."""
+    import io
+
+    import pretrain_ddp
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # main() sets its own
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            pretrain_ddp.main(list(args))
+    except BaseException as e:
+        raise AssertionError(f"main({' '.join(args)}) failed:\n{stderr.getvalue()[-3000:]}") from e
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        release_out_dir_locks()
+    return Result(0, stdout.getvalue(), stderr.getvalue())
+
+
 def kill_all(proc, cmd):
     """SIGKILL the run's launcher and ranks (whose command lines name its --out-dir), as a crash or
     the OOM killer would; their DataLoader workers and forkservers are left to notice by themselves."""
