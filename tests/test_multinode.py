@@ -92,10 +92,14 @@ def folder_digest(path):
     return digest.hexdigest()
 
 
-def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(tmp_path, corpus):
-    """Separate caches, node-local out dirs: one tokenizer (rank 0's), SIGKILL of both nodes,
-    caches wiped, restart: bitwise equal to one uninterrupted run given that tokenizer."""
-    nodes = make_nodes(tmp_path, corpus)
+@pytest.fixture(scope="module")
+def shared_nothing(tmp_path_factory, corpus):
+    """The job on two nodes with separate caches and node-local out dirs, no --tokenizer (rank 0 trains one),
+    SIGKILLed on both nodes at step 6, the caches wiped, started again. Returns (nodes, the restart's results,
+    whose node was killed first, the tokenizer's digest before the restart). Its tokenizer is the one the
+    other tests here run with (`reference` is this job uninterrupted): a run of its own to compare with
+    would cost the suite a torchrun more."""
+    nodes = make_nodes(tmp_path_factory.mktemp("shared_nothing"), corpus)
     killed = []
 
     def kill_both_at_step_6(k, line):
@@ -104,26 +108,28 @@ def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(tmp_path, corpus):
             kill(nodes)
 
     run_nodes(nodes, static(free_port()), ARGS, kill_both_at_step_6)
-    assert killed == [0]  # rank 0 (which logs) runs on node 0
-    kept = os.path.join(nodes[0], "run", "tokenizer")
-    digest = folder_digest(kept)
-    assert not os.path.exists(os.path.join(nodes[1], "cache", "tokenizers"))  # rank 1 never trained its own
+    digest = folder_digest(os.path.join(nodes[0], "run", "tokenizer"))
+    trained_on_node_1 = os.path.exists(os.path.join(nodes[1], "cache", "tokenizers"))
     for node in nodes:  # the caches are wiped between the kill and the restart
         shutil.rmtree(os.path.join(node, "cache"))
         os.mkdir(os.path.join(node, "cache"))
-    results = run_nodes(nodes, static(free_port()), ARGS)
+    return nodes, run_nodes(nodes, static(free_port()), ARGS), killed, digest, trained_on_node_1
+
+
+def test_shared_nothing_nodes_one_tokenizer_and_exact_resume(shared_nothing, reference):
+    """Separate caches, node-local out dirs: one tokenizer (rank 0's), SIGKILL of both nodes,
+    caches wiped, restart: bitwise equal to one uninterrupted run given that tokenizer."""
+    nodes, results, killed, digest, trained_on_node_1 = shared_nothing
+    assert killed == [0]  # rank 0 (which logs) runs on node 0
+    assert not trained_on_node_1  # rank 1 never trained its own
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     assert "resumed from run/checkpoints/step_000004 at step 4" in results[0][1]
-    assert folder_digest(kept) == digest  # the run's own tokenizer: neither retrained nor read from a cache
+    # the run's own tokenizer: neither retrained nor read from a cache
+    assert folder_digest(os.path.join(nodes[0], "run", "tokenizer")) == digest
     # no tokenizer in any cache (node-local index and token caches are expected)
     assert not any(os.path.exists(os.path.join(node, "cache", "tokenizers")) for node in nodes)
     assert not os.path.exists(os.path.join(nodes[1], "run", "checkpoints"))  # only rank 0's node holds them
-
-    ref = str(tmp_path / "ref")
-    rc, _, err = run(torchrun(2, *ARGS, "--corpus", os.path.join(nodes[0], "corpus.txt"), "--tokenizer", kept,
-                              "--out-dir", ref))
-    assert rc == 0, err[-3000:]
-    assert same_weights(final_weights(ref), final_weights(os.path.join(nodes[0], "run")))
+    assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[0], "run")))
 
 
 # On PYTHONPATH of node 1: its tokenizer library reads the same files differently (here: "river" is
@@ -181,16 +187,22 @@ def test_a_node_that_disagrees_stops_every_rank_with_one_line(tmp_path, corpus, 
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, corpus, tok_dir):
-    """The out dir of the job below, uninterrupted, on one node."""
+def reference(tmp_path_factory, corpus, shared_nothing):
+    """The out dir of the job (ARGS), uninterrupted, on one node, with the shared-nothing job's tokenizer; the
+    tests below run with it too (`tokenizer_of(reference)`)."""
     out = str(tmp_path_factory.mktemp("reference") / "run")
-    rc, _, err = run(torchrun(2, *ARGS, "--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", out))
+    kept = os.path.join(shared_nothing[0][0], "run", "tokenizer")
+    rc, _, err = run(torchrun(2, *ARGS, "--corpus", corpus, "--tokenizer", kept, "--out-dir", out))
     assert rc == 0, err[-3000:]
     return out
 
 
+def tokenizer_of(run_dir):
+    return os.path.join(run_dir, "tokenizer")
+
+
 @pytest.mark.parametrize("victim", ["other node", "rank 0's node"])
-def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, tok_dir, reference, victim):
+def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, reference, victim):
     """torchrun --max-restarts 1 on two c10d agents, node-local out dirs: SIGKILL one worker (as
     an OOM kill would); the job restarts, resumes from rank 0's newest checkpoint, ends bitwise
     equal to the uninterrupted job. Which restart each agent sees first is a race: each victim
@@ -203,7 +215,8 @@ def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, t
             killed.append(k if victim.startswith("rank 0") else 1 - k)
             kill([nodes[killed[0]]], workers_only=True)
 
-    results = run_nodes(nodes, elastic(free_port()), [*ARGS, "--tokenizer", tok_dir], kill_a_worker_at_step_6)
+    results = run_nodes(nodes, elastic(free_port()), [*ARGS, "--tokenizer", tokenizer_of(reference)],
+                        kill_a_worker_at_step_6)
     assert killed and [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     holder = [k for k in (0, 1) if os.path.isdir(os.path.join(nodes[k], "run", "checkpoints"))]
     assert len(holder) == 1  # shared nothing: one node's out dir holds every checkpoint
@@ -230,7 +243,7 @@ def test_restarts_used_up_end_every_agent_with_one_line(tmp_path, corpus, tok_di
     assert "exitcode: -9" in results[killed[0]][2]  # and torchrun names the rank that was killed
 
 
-def test_a_sigkilled_agent_of_the_second_node_stops_the_job_and_the_rerun_resumes_exactly(tmp_path, corpus, tok_dir,
+def test_a_sigkilled_agent_of_the_second_node_stops_the_job_and_the_rerun_resumes_exactly(tmp_path, corpus,
                                                                                           reference):
     """SIGKILL to node 1's torchrun agent (its process group; its rank runs in a session of its own): the
     kernel sends that rank SIGTERM, and the per-step all_reduce stops every rank of the job at the same
@@ -255,11 +268,12 @@ def test_a_sigkilled_agent_of_the_second_node_stops_the_job_and_the_rerun_resume
             os.killpg(agents[1][0], signal.SIGKILL)  # the agent's own session (run_nodes)
             threading.Thread(target=end_when_the_ranks_have, args=(agents[0],)).start()
 
-    results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tok_dir], kill_node_1_s_agent_at_step_6)
+    results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tokenizer_of(reference)],
+                          kill_node_1_s_agent_at_step_6)
     assert ranks_ended == ["killed", True], ranks_ended
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", results[0][1])[1])
     assert 6 <= stopped_at < 12 and f"saved run/checkpoints/step_{stopped_at:06d}" in results[0][1]
-    results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tok_dir])
+    results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tokenizer_of(reference)])
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     assert f"resumed from run/checkpoints/step_{stopped_at:06d}" in results[0][1]
     assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[0], "run")))
