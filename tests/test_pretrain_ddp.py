@@ -32,7 +32,16 @@ import model as M
 import pretrain_ddp as P
 import ranks
 
-FP16 = os.path.join(TESTS, "_fp16_cpu.py")  # the trainer with fp16 autocast and a GradScaler on the CPU
+
+def fp16_main(init_scale, *args):
+    """run_main with fp16 autocast and a GradScaler on the CPU (for users fp16 is CUDA's: a CPU takes bf16 or
+    fp32); a large init_scale makes the first steps overflow, as fp16 training does at its start."""
+    grad_scaler = torch.amp.GradScaler
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(P, "choose_amp_dtype", lambda args, device: torch.float16)
+        patch.setattr(torch.amp, "GradScaler",
+                      lambda device, enabled: grad_scaler(device, init_scale=init_scale, enabled=enabled))
+        return run_main(*args)
 
 
 def planned_lr(lr, total, warmup, step):
@@ -284,8 +293,7 @@ def test_a_resume_switches_between_fp32_and_fp16_with_a_fresh_grad_scaler(tmp_pa
     args = [*lr_run_args(corpus, tok_dir, out), "--eval-corpus", "none"]
     step = lambda n: ["--resume", os.path.join(out, "checkpoints", f"step_00000{n}")]  # noqa: E731
     # a full plan's LR is 0 at its end, so each resumes mid-way
-    fp16 = run(plain(*args, *step(4), script=[FP16, "1024"]))
-    assert fp16.returncode == 0, fp16.stderr[-3000:]
+    fp16 = fp16_main(1024, *args, *step(4))
     assert "resumed from" in fp16.stdout and "a fresh GradScaler starts" in fp16.stderr
     assert logged(fp16.stdout, "train/loss_scale")  # fp16 really ran
     back = run_main(*args, *step(8))  # the fp16 run's checkpoint
@@ -295,7 +303,7 @@ def test_a_resume_switches_between_fp32_and_fp16_with_a_fresh_grad_scaler(tmp_pa
 
 @pytest.fixture(scope="module")
 def fp16_run(tmp_path_factory, corpus, tok_dir):
-    """8 steps of fp16 autocast + GradScaler on the CPU (tests/_fp16_cpu.py) from a loss scale of 1.6e6, so that
+    """8 steps of fp16 autocast + GradScaler on the CPU (fp16_main) from a loss scale of 1.6e6, so that
     the first steps overflow; a checkpoint every 3. Its eval corpus holds no text. Returns (out dir, the args of
     the run, its stdout and stderr)."""
     root = tmp_path_factory.mktemp("fp16")
@@ -304,8 +312,7 @@ def fp16_run(tmp_path_factory, corpus, tok_dir):
     out = str(root / "run")
     args = common(corpus, tok_dir, out, "--max-steps", "8", "--warmup", "0.5", "--lr", "1e-3", "--save-every", "3",
                   "--eval-corpus", str(blank), "--eval-every", "1")
-    first = run(plain(*args, script=[FP16, "1.6e6"]))
-    assert first.returncode == 0, first.stderr[-3000:]
+    first = fp16_main(1.6e6, *args)
     return out, args, first.stdout, first.stderr
 
 
@@ -329,8 +336,7 @@ def test_fp16_with_grad_scaler_on_cpu_skips_overflows_and_resumes_the_scale(fp16
     assert all(lrs[k] == pytest.approx(planned_lr(1e-3, 8, 4, k), rel=1e-3) for k in lrs), lrs
     trainer = torch.load(os.path.join(out, "checkpoints", "step_000008", "trainer.pt"), weights_only=True)
     assert trainer["scaler"]["scale"] == pytest.approx(scales[8], rel=1e-3)
-    again = run(plain(*args, "--resume", os.path.join(out, "checkpoints", "step_000003"), script=[FP16, "1.6e6"]))
-    assert again.returncode == 0, again.stderr[-3000:]
+    again = fp16_main(1.6e6, *args, "--resume", os.path.join(out, "checkpoints", "step_000003"))
     assert 2 ** summary(out)["skipped_steps"] == pytest.approx(scales[3] / scales[8], rel=1e-3)
     for name in ("train/loss_scale", "train/loss", "train/lr"):  # the same steps 4-8 (a skipped one's loss: nan)
         assert str(logged(again.stdout, name)) == str({k: v for k, v in logged(stdout, name).items() if k > 3})
