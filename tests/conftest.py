@@ -1,6 +1,7 @@
 """Shared by every test module (none imports another): a generated corpus and a tokenizer trained on it, built
-once per test run; the one launcher of the trainer and the other scripts (run), the trainer's flags and what a run
-leaves behind; the data-stream helpers several files use; and the order in which xdist hands the files out."""
+once per test run; the one launcher of the trainer and the other scripts (run), and main() in the test's own process
+for the 1-rank runs a test only reads (run_main); the trainer's flags and what a run leaves behind; the data-stream
+helpers several files use; and the order in which xdist hands the files out."""
 import contextlib
 import json
 import os

@@ -201,27 +201,34 @@ def tokenizer_of(run_dir):
     return os.path.join(run_dir, "tokenizer")
 
 
-@pytest.mark.parametrize("victim", ["other node", "rank 0's node"])
-def test_elastic_restart_after_a_worker_dies_resumes_exactly(tmp_path, corpus, reference, victim):
-    """torchrun --max-restarts 1 on two c10d agents, node-local out dirs: SIGKILL one worker (as
-    an OOM kill would); the job restarts, resumes from rank 0's newest checkpoint, ends bitwise
-    equal to the uninterrupted job. Which restart each agent sees first is a race: each victim
-    once per run of the suite (it was twice each; the repeats ran the same code path)."""
+def test_elastic_restarts_after_a_worker_dies_on_either_node_resume_exactly(tmp_path, corpus, reference):
+    """torchrun --max-restarts 2 on two c10d agents, node-local out dirs: SIGKILL the other node's worker at step 6
+    (as an OOM kill would): the job restarts and resumes from rank 0's newest checkpoint, step 4; then SIGKILL rank
+    0's own worker at step 10: it restarts again, resumes from step 8, and ends bitwise equal to the uninterrupted
+    job. Which restart each agent sees first is a race: both victims once per run of the suite, in one job (they
+    were a job each: ~20 s of the suite more, for the same code paths)."""
     nodes = make_nodes(tmp_path, corpus)
-    killed = []
+    killed, resumed = [], []
 
-    def kill_a_worker_at_step_6(k, line):  # k: the node whose stdout logs, i.e. rank 0's
-        if line.startswith("step 6:") and not killed:
-            killed.append(k if victim.startswith("rank 0") else 1 - k)
-            kill([nodes[killed[0]]], workers_only=True)
+    def kill_a_worker_of_each_node(k, line):  # k: the node whose stdout logs, i.e. rank 0's
+        if line.startswith("resumed from"):
+            resumed.append(k)
+        victim = 1 - k if not killed and line.startswith("step 6:") else None
+        if len(killed) == 1 and resumed and line.startswith("step 10:"):
+            victim = k
+        if victim is not None:
+            killed.append(victim)
+            kill([nodes[victim]], workers_only=True)
 
-    results = run_nodes(nodes, elastic(free_port()), [*ARGS, "--tokenizer", tokenizer_of(reference)],
-                        kill_a_worker_at_step_6)
-    assert killed and [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
+    results = run_nodes(nodes, elastic(free_port(), max_restarts=2), [*ARGS, "--tokenizer", tokenizer_of(reference)],
+                        kill_a_worker_of_each_node)
+    assert sorted(killed) == [0, 1], killed  # one worker of each node
+    assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
     holder = [k for k in (0, 1) if os.path.isdir(os.path.join(nodes[k], "run", "checkpoints"))]
     assert len(holder) == 1  # shared nothing: one node's out dir holds every checkpoint
     stdout = results[holder[0]][1]
     assert "resumed from run/checkpoints/step_000004 at step 4" in stdout, stdout[-3000:]
+    assert "resumed from run/checkpoints/step_000008 at step 8" in stdout, stdout[-3000:]
     assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[holder[0]], "run")))
 
 

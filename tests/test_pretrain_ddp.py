@@ -158,15 +158,15 @@ if "LOCAL_RANK" in os.environ:
 @pytest.mark.slow
 def test_ranks_wait_out_rank_0_s_preparation_beyond_the_collective_timeout(tmp_path, corpus):
     """Rank 0 trains the tokenizer and counts the steps (hours on a big corpus) while rank 1 waits:
-    --dist-timeout bounds only the collectives, not that wait. Here the preparation sleeps 16 s on
-    purpose and --dist-timeout is 0.18 min (10.8 s), far above what a training collective needs under
+    --dist-timeout bounds only the collectives, not that wait. Here the preparation sleeps 12 s on
+    purpose and --dist-timeout is 0.15 min (9 s), far above what a training collective needs under
     load: a rank that waited for rank 0 with --dist-timeout fails, whatever the machine's load."""
     patch = tmp_path / "slow_preparation"
     patch.mkdir()
-    (patch / "sitecustomize.py").write_text(SLOW_PREPARATION.format(seconds=16))
+    (patch / "sitecustomize.py").write_text(SLOW_PREPARATION.format(seconds=12))
     out = str(tmp_path / "run")
     result = run(torchrun(2, "--corpus", corpus, "--vocab-size", "300", "--out-dir", out, *FAST, "--max-steps", "2",
-                          "--eval-corpus", "none", "--dist-timeout", "0.18"), timeout=300,
+                          "--eval-corpus", "none", "--dist-timeout", "0.15"), timeout=300,
                  env={"BERT_DDP_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join([str(patch), ROOT])})
     assert result.returncode == 0, result.stderr[-3000:]
     # the preparation really outlasted the timeout, on rank 0 alone

@@ -48,12 +48,12 @@ def test_workers_take_our_modules_not_the_working_directory_s(corpus, tok_dir, t
 
 @pytest.mark.slow
 def test_a_hung_worker_ends_the_run_in_one_line(tmp_path, corpus, tok_dir):
-    """A worker that never sends a batch: the rank stops after --dist-timeout (0.1 min here) with one
+    """A worker that never sends a batch: the rank stops after --dist-timeout (0.05 min here) with one
     line, not a silent hang (before: forever). The verdict does not depend on load: the worker never
     answers, so the run fails either way, and the test's own limit is far above the timeout."""
     code, _, stderr = run(plain("--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "o"), *FAST,
                                 "--max-steps", "2", "--eval-corpus", "none", "--num-workers", "1",
-                                "--dist-timeout", "0.1"),
+                                "--dist-timeout", "0.05"),
                           env={"PYTHONPATH": os.pathsep.join([os.path.join(TESTS, "hang_in_worker"), ROOT])})
     errors = [line for line in stderr.splitlines() if "error" in line]
     assert code == 1 and "Traceback" not in stderr, stderr[-3000:]
