@@ -252,18 +252,26 @@ def run_main(*args):
     of imports (a dozen of these were a minute of the suite); the ends of the real command (exit codes, one-line
     errors, signals, torchrun) are run() tests'. Returns Result(0, stdout, stderr); a failure raises here."""
     import io
+    from unittest import mock
+
+    import torch
 
     import pretrain_ddp
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # main() sets its own
+    # What main() sets for its process, put back after it: its signal handlers, the thread count (without
+    # OMP_NUM_THREADS: one per core), the environment (TOKENIZERS_PARALLELISM, which the processes a later test
+    # starts would inherit, hiding whether the trainer sets it itself)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threads = torch.get_num_threads()
     stdout, stderr = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        with mock.patch.dict(os.environ), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
             pretrain_ddp.main(list(args))
     except BaseException as e:
         raise AssertionError(f"main({' '.join(args)}) failed:\n{stderr.getvalue()[-3000:]}") from e
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        torch.set_num_threads(threads)
         release_out_dir_locks()
     return Result(0, stdout.getvalue(), stderr.getvalue())
 
