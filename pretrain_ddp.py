@@ -1277,7 +1277,7 @@ def new_meter(device, amp_dtype, progress):
     start = Mark(time.perf_counter(), progress.step, progress.tokens_seen, progress.flops_done)
     zero = torch.zeros((), device=device)
     # The peak is rank 0's, which reports MFU: timed on the CPU by it alone (another rank's matmuls beside it
-    # would slow its timing, and cost that rank ~2.4 s at every launch with a cache of its own)
+    # could slow its timing, and cost that rank ~2.4 s at every launch with a cache of its own)
     peak = peak_flops(device, amp_dtype) if GROUP.rank == 0 else None
     return Meter(peak=peak, start=start, train_base=progress.train_seconds, skipped=zero.clone(),
                  skipped_in_a_row=zero.clone(), most_in_a_row=zero.clone())
