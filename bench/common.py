@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -46,6 +47,15 @@ def environment(threads=None, **extra):
 def spread(values, fmt="{:,.0f}"):
     """'median [min-max]'."""
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
+
+
+def run_counting_cpu(command, **kwargs):
+    """subprocess.run(command, **kwargs), and the CPU seconds (user + system) of the processes it started and
+    waited for: the measure a loaded machine moves far less than wall time."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(command, **kwargs)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return done, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 # ----------------------------------------------------------------------------- our trainer

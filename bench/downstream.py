@@ -26,16 +26,17 @@ import json
 import math
 import os
 import re
-import resource
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import finetune  # noqa: E402  (the tasks' readers and their splits, not copies)
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import common  # noqa: E402
 
 TASKS = ("polarity", "r8")
 SEEDS = 3
@@ -166,10 +167,8 @@ def run_all(args):
         print(f"# {name}\nOMP_NUM_THREADS=1 {shlex.join(command)}", flush=True)
         if args.dry_run or os.path.exists(output):
             continue
-        start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-        subprocess.run(command, cwd=ROOT, env=env, check=True)
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        start = time.perf_counter()
+        _, cpu = common.run_counting_cpu(command, cwd=ROOT, env=env, check=True)
         times[name] = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cpu, 1)}
         json.dump(times, open(times_path, "w"), indent=1)
 

@@ -13,12 +13,12 @@ task) and the choice of model.classify in finetune.py.
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import common  # noqa: E402
 
 
 def model_folder(size, work):
@@ -55,16 +55,14 @@ def run(side, folder, task, args, out):
     argv = [folder, "--task", task, "--random-init", "--seeds", "0,", "--out", out, "--threads", str(args.threads)]
     if args.max_train:
         argv += ["--max-train", str(args.max_train)]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, "-c", WORKER.format(root=ROOT, side=side, argv=argv)], capture_output=True,
-                          text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the process's CPU seconds (start-up and the test set included), which a loaded machine moves far less
+    done, cpu = common.run_counting_cpu([sys.executable, "-c", WORKER.format(root=ROOT, side=side, argv=argv)],
+                                        capture_output=True, text=True, cwd=ROOT,
+                                        env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     if done.returncode:
         sys.exit(f"finetune.py failed ({side}, {task}):\n{done.stderr[-3000:]}")
     with open(out) as f:
         seed = json.load(f)["seeds"][0]
-    # the process's CPU seconds (start-up and the test set included), which a loaded machine moves far less
-    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     return seed["seconds"], cpu, seed["accuracy"]
 
 
