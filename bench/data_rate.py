@@ -195,7 +195,7 @@ def iterate(stream, seconds, t_start=None):
 
 def stream_rows(args, ds, tok, path, objective, work, fmt="txt"):
     settings = {"objective": objective, "max_seq_len": args.max_seq_len, "batch_size": args.batch_size,
-                "seed": args.seed, "rank": 0, "world_size": 1}
+                "seed": args.seed}
     name = f"stream {objective}" + ("" if fmt == "txt" else f" {fmt}")
     rows = {}
     # A token cache folder of its own per objective ('auto' is the same cache under BERT_DDP_CACHE/tokens):
@@ -203,7 +203,8 @@ def stream_rows(args, ds, tok, path, objective, work, fmt="txt"):
     cache_dir = os.path.join(work, f"tokens-{objective}-{fmt}")
     assert not os.path.exists(cache_dir)
     t_start = time.perf_counter()
-    stream = ds.BertPretrainStream(path, tok, token_cache=cache_dir, **settings)
+    stream = ds.BertPretrainStream(path, tok, ds.StreamSettings(token_cache=cache_dir, **settings), rank=0,
+                                   world_size=1)
     stream.set_epoch(0)
     r = iterate(stream, args.seconds, t_start)
     note = f"epoch 0, fills the token cache; {r['batches']:,} batches"
@@ -218,7 +219,7 @@ def stream_rows(args, ds, tok, path, objective, work, fmt="txt"):
         r = iterate(stream, args.seconds)
         return {**r, "note": f"{note}; {r['batches']:,} batches" + (" (cut at --seconds)" if r["cut"] else "")}
     rows[f"{name}, warm"] = epoch(stream, 1, "epoch 1, token cache full")
-    off = ds.BertPretrainStream(path, tok, token_cache="none", **settings)
+    off = ds.BertPretrainStream(path, tok, ds.StreamSettings(token_cache="none", **settings), rank=0, world_size=1)
     rows[f"{name}, cache off"] = epoch(off, 0, "token_cache='none', epoch 0")
     return rows
 
@@ -231,8 +232,11 @@ def before_rows(args, tok, path):
     spec.loader.exec_module(before)
     rows = {}
     for objective in ("nsp", "mlm"):
-        stream = before.BertPretrainStream(path, tok, objective=objective, max_seq_len=args.max_seq_len,
-                                           batch_size=args.batch_size, seed=args.seed, rank=0, world_size=1)
+        settings = dict(objective=objective, max_seq_len=args.max_seq_len, batch_size=args.batch_size, seed=args.seed)
+        if hasattr(before, "StreamSettings"):
+            stream = before.BertPretrainStream(path, tok, before.StreamSettings(**settings), rank=0, world_size=1)
+        else:  # a data_stream.py from before the settings record (issue 49) takes them as keywords
+            stream = before.BertPretrainStream(path, tok, rank=0, world_size=1, **settings)
         stream.set_epoch(0)
         r = iterate(stream, args.seconds)
         rows[f"stream {objective}, before"] = {**r, "note": f"epoch 0 of {args.before}; {r['batches']:,} batches"}

@@ -77,8 +77,8 @@ def stream_bench(corpus, objective, seconds, *flags, env=None):
 def rss_worker(args):
     """One stream iterated for `seconds`: this process's peak RSS (MB) and the corpus's documents."""
     import data_stream
-    stream = data_stream.BertPretrainStream(args.corpus, data_stream.get_tokenizer(args.tokenizer), rank=0,
-                                            world_size=1)
+    tokenizer = data_stream.get_tokenizer(args.tokenizer)
+    stream = data_stream.BertPretrainStream(args.corpus, tokenizer, rank=0, world_size=1)
     t0 = time.time()
     for _ in stream:
         if time.time() - t0 > args.seconds:

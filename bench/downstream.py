@@ -33,6 +33,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import checkpoints  # noqa: E402
 import finetune  # noqa: E402  (the tasks' readers and their splits, not copies)
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -144,13 +145,13 @@ def commands(args):
     for task in TASKS:
         tune = [sys.executable, "finetune.py", run, "--task", task, "--threads", "1", "--seeds", str(SEEDS)]
         rows.append((f"floor {task}", os.path.join(out, f"{task}_random_init.json"), tune + ["--random-init"]))
-        rows.append((f"mlm only {task}", os.path.join(out, f"{task}_step_{args.steps:06d}.json"), tune))
+        rows.append((f"mlm only {task}", os.path.join(out, f"{task}_{checkpoints.step_name(args.steps)}.json"), tune))
         if args.nsp_steps:
-            rows.append((f"mlm + nsp {task}", os.path.join(run2, "finetune", f"{task}_step_{args.nsp_steps:06d}.json"),
-                         [sys.executable, "finetune.py", run2] + tune[3:]))
+            scores = os.path.join(run2, "finetune", f"{task}_{checkpoints.step_name(args.nsp_steps)}.json")
+            rows.append((f"mlm + nsp {task}", scores, [sys.executable, "finetune.py", run2] + tune[3:]))
     for step in range(every, args.steps, every):
-        folder = os.path.join(run, "checkpoints", f"step_{step:06d}")
-        rows.append((f"curve polarity step {step}", os.path.join(out, f"polarity_step_{step:06d}.json"),
+        folder = os.path.join(run, "checkpoints", checkpoints.step_name(step))
+        rows.append((f"curve polarity step {step}", os.path.join(out, f"polarity_{checkpoints.step_name(step)}.json"),
                      [sys.executable, "finetune.py", folder, "--task", "polarity", "--threads", "1", "--seeds",
                       str(SEEDS)]))
     return rows
@@ -189,8 +190,9 @@ def table(args):
     print("| task | model | accuracy (mean ± sd, 3 seeds) | per seed | macro-F1 (mean ± sd) | per seed "
           "| pretrained - floor | SE | > 2 SE |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    kinds = [("floor", out, "_random_init"), ("mlm only", out, f"_step_{args.steps:06d}"),
-             ("mlm + nsp", os.path.join(args.dir, "pretrain_nsp", "finetune"), f"_step_{args.nsp_steps:06d}")]
+    kinds = [("floor", out, "_random_init"), ("mlm only", out, f"_{checkpoints.step_name(args.steps)}"),
+             ("mlm + nsp", os.path.join(args.dir, "pretrain_nsp", "finetune"),
+              f"_{checkpoints.step_name(args.nsp_steps)}")]
     for task in TASKS:
         floor = [s["accuracy"] for s in load(f"{task}_random_init.json")["seeds"]]
         for kind, folder, suffix in kinds:

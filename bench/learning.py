@@ -40,6 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(HERE))
+import checkpoints  # noqa: E402
+
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0].strip(),
@@ -150,7 +153,7 @@ def run_ours(args, seed, tok_dir, run_dir, env):
              "--log-every", str(args.eval_every), *shlex.split(args.ours_flags)]
     steps = common.pretrain(flags, run_dir, env=env).summary["steps"]
     assert steps == args.steps, steps
-    return {s: os.path.join(run_dir, "checkpoints", f"step_{s:06d}", "trainer.pt") for s in eval_steps(args)}
+    return {s: os.path.join(run_dir, "checkpoints", checkpoints.step_name(s), "trainer.pt") for s in eval_steps(args)}
 
 
 # ----------------------------------------------------------------------------- Trainer (run_mlm recipe)
@@ -176,9 +179,9 @@ def our_windows(args, seed, tok_dir, shuffled):
     """pretrain_ddp.py's mlm windows of this seed, epoch after epoch in its order (one shard: 1 rank x 1 worker,
     as run_ours) or shuffled within each epoch, unmasked (mask_prob 0): token id lists, the Trainer's records."""
     import data_stream
-    stream = data_stream.BertPretrainStream(corpus_flag(args, "train"), data_stream.get_tokenizer(tok_dir),
-                                            objective="mlm", batch_size=args.batch_size,
-                                            max_seq_len=args.max_seq_len, mask_prob=0.0, seed=seed)
+    settings = data_stream.StreamSettings(objective="mlm", batch_size=args.batch_size, max_seq_len=args.max_seq_len,
+                                          mask_prob=0.0, seed=seed)
+    stream = data_stream.BertPretrainStream(corpus_flag(args, "train"), data_stream.get_tokenizer(tok_dir), settings)
     rows, rng = [], np.random.default_rng(seed)
     for epoch in range(epochs_needed(args, tok_dir)):
         stream.set_epoch(epoch)
@@ -207,8 +210,8 @@ def order_table(args, tok_dir, epochs=3):
     b = args.batch_size
     stream = {}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        stream[seed] = data_stream.BertPretrainStream(corpus_flag(args, "train"), tok, objective="mlm", batch_size=b,
-                                                      max_seq_len=args.max_seq_len, seed=seed, rank=0, world_size=1)
+        settings = data_stream.StreamSettings(objective="mlm", batch_size=b, max_seq_len=args.max_seq_len, seed=seed)
+        stream[seed] = data_stream.BertPretrainStream(corpus_flag(args, "train"), tok, settings, rank=0, world_size=1)
     docs = split_documents(tok, args, "train")
     owner = [d for d, doc in enumerate(docs) for _ in range(len(doc) + 2)]  # [CLS] doc [SEP], as run_mlm
     n = args.max_seq_len

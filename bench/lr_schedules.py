@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+import estimate_steps  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
 
@@ -22,8 +23,12 @@ def flags(**kw):
                               "budget": None, **kw})
 
 
+def plan_of(flags, steps):
+    return estimate_steps.plan_of(steps, steps, 64, flags.warmup, flags.schedule, flags.decay)
+
+
 def curve(plan, start, end):
-    return list(range(start, end)), [P.lr_factor(plan, pos) for pos in range(start, end)]
+    return list(range(start, end)), [estimate_steps.lr_factor(plan, pos) for pos in range(start, end)]
 
 
 def main():
@@ -35,13 +40,13 @@ def main():
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
     for schedule in ("linear", "cosine", "wsd"):
-        left.plot(*curve(P.plan_of(flags(schedule=schedule), 1000, 1000, 64), 0, 1001), label=f"--schedule {schedule}")
+        left.plot(*curve(plan_of(flags(schedule=schedule), 1000), 0, 1001), label=f"--schedule {schedule}")
     left.set_title("one plan of 1,000 steps, --warmup 0.06 (--decay 0.2)")
-    wsd = P.plan_of(flags(schedule="wsd"), 1000, 1000, 64)
+    wsd = plan_of(flags(schedule="wsd"), 1000)
     right.plot(*curve(wsd, 0, 1001), color="tab:green", alpha=0.4, label="wsd, 1,000 steps")
     longer = P.replan(wsd, 600, 600, flags(schedule="wsd", epochs=2), 64)  # resumed at 600 with --epochs 2
     right.plot(*curve(longer, 600, 2001), color="tab:green", label="resumed at 600 (stable) to 2,000 steps")
-    branch = P.plan_of(flags(schedule="wsd", warmup=0.0, decay=1.0), 300, 300, 64)  # --init-from step 600
+    branch = plan_of(flags(schedule="wsd", warmup=0.0, decay=1.0), 300)  # --init-from step 600
     steps, lrs = curve(branch, 0, 301)
     right.plot([600 + s for s in steps], lrs, color="tab:red", label="--init-from step 600: --decay 1, 300 steps")
     right.set_title("wsd: extended in its stable phase; a decay branched off")

@@ -67,8 +67,8 @@ def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = data_stream.get_tokenizer(None, data_stream.open_corpus("builtin", "train", "mlm"), args.vocab_size)
-    stream = data_stream.BertPretrainStream("builtin", tokenizer, max_seq_len=args.max_seq_len,
-                                            batch_size=args.batch_size, objective="mlm", rank=0, world_size=1)
+    settings = data_stream.StreamSettings(max_seq_len=args.max_seq_len, batch_size=args.batch_size, objective="mlm")
+    stream = data_stream.BertPretrainStream("builtin", tokenizer, settings, rank=0, world_size=1)
     cpu = torch.device("cpu")
     batches = []
     for raw in stream:

@@ -32,7 +32,7 @@ def bench(stream, seconds):
             first = first or time.perf_counter() - t0
             samples += len(docs)  # a sample's documents each (packed nsp pairs share rows)
             tokens += int(batch["attention_mask"].sum())
-            if len(docs) == stream.batch_size:
+            if len(docs) == stream.settings.batch_size:
                 distinct, full = distinct + len({d for ds in docs for d in ds}), full + 1
             if time.perf_counter() - t0 > seconds:
                 break
@@ -51,7 +51,7 @@ def bench(stream, seconds):
     tok_s = time.perf_counter() - t1
     print(f"stream: {samples / stream_s:,.0f} samples/s, {tokens / stream_s:,.0f} tokens/s (one worker, "
           f"{stream_s:.1f} s, {epoch} epoch(s)); first batch after {first or 0:.2f} s; "
-          f"{distinct / max(full, 1):.1f} distinct documents per batch of {stream.batch_size}")
+          f"{distinct / max(full, 1):.1f} distinct documents per batch of {stream.settings.batch_size}")
     print(f"bare tokenizer encode_batch, one thread: {bare_tokens / tok_s:,.0f} tokens/s on {docs} documents "
           f"(read {t1 - t0:.2f} s)")
     return {"samples_per_s": samples / stream_s, "tokens_per_s": tokens / stream_s, "first_batch_s": first or 0.0,

@@ -335,13 +335,11 @@ def finish(proc, timeout=300):
 
 # ----------------------------------------------------------------------------- the data stream
 
-def make_stream(corpus, tokenizer, **kw):
+def make_stream(corpus, tokenizer, rank=0, world_size=1, split="train", **settings):
+    """A stream of the session's sizes (batches of 4, 32 tokens) unless settings (StreamSettings' fields) say else."""
     import data_stream
-    kw.setdefault("rank", 0)
-    kw.setdefault("world_size", 1)
-    kw.setdefault("batch_size", 4)
-    kw.setdefault("max_seq_len", 32)
-    return data_stream.BertPretrainStream(corpus, tokenizer, **kw)
+    settings = data_stream.StreamSettings(**{"batch_size": 4, "max_seq_len": 32, **settings})
+    return data_stream.BertPretrainStream(corpus, tokenizer, settings, split, rank, world_size)
 
 
 def loader(stream, num_workers):

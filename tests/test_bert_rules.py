@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import WORDS, write_corpus
+from conftest import WORDS, make_stream, write_corpus
 
 import data_stream as ds
 
@@ -214,8 +214,8 @@ def test_stream_nsp_samples_are_the_planned_pairs(corpus, tokenizer):
     target_len - len(A)), the same lengths after it. Where truncation cuts (front or back) is the
     RNG's business: only checked to be a cut."""
     seed, max_seq_len, short_seq_prob = 5, 64, 0.3
-    stream = ds.BertPretrainStream(corpus, tokenizer, rank=0, world_size=1, batch_size=16, max_seq_len=max_seq_len,
-                                   mask_prob=0.0, short_seq_prob=short_seq_prob, seed=seed, shuffle_block=1)
+    stream = make_stream(corpus, tokenizer, batch_size=16, max_seq_len=max_seq_len, mask_prob=0.0,
+                         short_seq_prob=short_seq_prob, seed=seed, shuffle_block=1)
     docs = [stream.document(d) for d in range(stream.num_docs)]
     assert all((np.diff(bounds) > 0).all() for _, bounds in docs)  # no empty sentence: plans see every one
     expected = our_pairs(docs, max_seq_len - 3, short_seq_prob, seed)
@@ -242,7 +242,7 @@ def mixing(stream):
     per_batch, samples = [], 0
     for _, docs in stream.batches():
         samples += len(docs)
-        if len(docs) == stream.batch_size:
+        if len(docs) == stream.settings.batch_size:
             per_batch.append(len(set().union(*map(set, docs))))
     return float(np.mean(per_batch)), samples / stream.num_docs
 
@@ -256,12 +256,12 @@ def test_shuffle_docs_mixes_documents_in_a_batch(tmp_path, tokenizer):
     # One Corpus for both objectives: a text file reads the same for either, and so the token
     # cache built here serves both (a path would be keyed per objective and tokenized twice).
     corpus = ds.open_corpus(path, objective="nsp")
-    kw = dict(rank=0, world_size=1, batch_size=32, max_seq_len=128, seed=3)
-    ds.build_cache(ds.BertPretrainStream(corpus, tokenizer, **kw))
+    kw = dict(batch_size=32, max_seq_len=128, seed=3)
+    ds.build_cache(make_stream(corpus, tokenizer, **kw))
     for objective in ("nsp", "mlm"):
-        mixed, per_doc = mixing(ds.BertPretrainStream(corpus, tokenizer, objective=objective, **kw))
-        in_order, per_doc_1 = mixing(ds.BertPretrainStream(corpus, tokenizer, objective=objective, shuffle_docs=1,
-                                                           shuffle_block=1, **kw))
+        mixed, per_doc = mixing(make_stream(corpus, tokenizer, objective=objective, **kw))
+        in_order, per_doc_1 = mixing(make_stream(corpus, tokenizer, objective=objective, shuffle_docs=1,
+                                                 shuffle_block=1, **kw))
         assert per_doc == per_doc_1  # the same samples, only their order differs
         if objective == "nsp":
             assert 4.5 < per_doc < 5.5, per_doc
@@ -300,10 +300,9 @@ def word_spans(ids, continuation, special):
 
 
 def masking_counts(corpus, tokenizer, whole_word, objective):
-    kw = dict(objective=objective, rank=0, world_size=1, batch_size=64, max_seq_len=64, seed=7,
-              whole_word_mask=whole_word)
-    masked = ds.BertPretrainStream(corpus, tokenizer, mask_prob=0.15, **kw)
-    plain = ds.BertPretrainStream(corpus, tokenizer, mask_prob=0.0, **kw)  # same samples, nothing masked
+    kw = dict(objective=objective, batch_size=64, max_seq_len=64, seed=7, whole_word_mask=whole_word)
+    masked = make_stream(corpus, tokenizer, mask_prob=0.15, **kw)
+    plain = make_stream(corpus, tokenizer, mask_prob=0.0, **kw)  # same samples, nothing masked
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     continuation = np.array([t.startswith("##") for t in tokens])
     special = np.zeros(len(tokenizer), bool)

@@ -8,8 +8,10 @@ import shutil
 import pytest
 from conftest import common, final_weights, logged, run_main, same_weights, summary
 
+import checkpoints
 import estimate_steps
 import pretrain_ddp as P
+from estimate_steps import lr_factor
 
 
 class Flags:
@@ -24,8 +26,8 @@ def test_cosine_and_wsd_schedules_end_at_0_and_a_moved_end_never_raises_the_lr()
     curves = {}
     for schedule in ("linear", "cosine", "wsd"):
         Flags.schedule = schedule
-        plan = P.plan_of(Flags, 100, 50.0, 64)
-        curves[schedule] = [P.lr_factor(plan, pos) for pos in range(101)]
+        plan = estimate_steps.plan_of(100, 50.0, 64, Flags.warmup, Flags.schedule, Flags.decay)
+        curves[schedule] = [lr_factor(plan, pos) for pos in range(101)]
         assert plan.warmup == estimate_steps.warmup_steps(0.1, 100) == 10
         assert plan.decay_from[0] == estimate_steps.decay_start(schedule, 0.2, 10, 100)
         assert curves[schedule][0] == 0.1 and curves[schedule][9] == 1.0 and curves[schedule][100] == 0.0
@@ -34,24 +36,24 @@ def test_cosine_and_wsd_schedules_end_at_0_and_a_moved_end_never_raises_the_lr()
     assert curves["cosine"][30] > curves["linear"][30] and curves["cosine"][80] < curves["linear"][80]
     assert curves["wsd"][80] == 1.0 and curves["wsd"][90] == pytest.approx(0.5)
     Flags.schedule = "wsd"
-    plan = P.plan_of(Flags, 100, 50.0, 64)
+    plan = estimate_steps.plan_of(100, 50.0, 64, Flags.warmup, Flags.schedule, Flags.decay)
     Flags.epochs = 4  # at position 60, stable: the new end is 200, the decay its last 20%
     longer = P.replan(plan, 60, 60, Flags, 64)
     assert longer.total == 200 and longer.decay_from == (160, 1.0)
-    assert [P.lr_factor(longer, pos) for pos in (60, 159, 180, 200)] == [1.0, 1.0, pytest.approx(0.5), 0.0]
+    assert [lr_factor(longer, pos) for pos in (60, 159, 180, 200)] == [1.0, 1.0, pytest.approx(0.5), 0.0]
     decaying = P.replan(plan, 90, 90, Flags, 64)  # at position 90, decaying: from today's LR to the new end
-    assert P.lr_factor(decaying, 90) == pytest.approx(P.lr_factor(plan, 90)) and P.lr_factor(decaying, 200) == 0
-    assert all(P.lr_factor(decaying, p) >= P.lr_factor(decaying, p + 1) for p in range(90, 200))
+    assert lr_factor(decaying, 90) == pytest.approx(lr_factor(plan, 90)) and lr_factor(decaying, 200) == 0
+    assert all(lr_factor(decaying, p) >= lr_factor(decaying, p + 1) for p in range(90, 200))
     Flags.epochs, Flags.schedule = 2, "linear"
 
 
 def test_a_replanned_lr_continues_from_today_s_value_and_never_rises():
     """A resume that moves the end of a linear plan (more epochs; --max-steps at twice the batch; fewer steps)
     goes on from the LR of today's position down to 0, never up; during the warmup the warmup is kept."""
-    plan = P.LRPlan(total=100, warmup=10, batch=64, steps_per_epoch=50.0, decay_from=(10, 1.0))
-    curve = [P.lr_factor(plan, pos) for pos in range(101)]
+    plan = estimate_steps.LRPlan(total=100, warmup=10, batch=64, steps_per_epoch=50.0, decay_from=(10, 1.0))
+    curve = [lr_factor(plan, pos) for pos in range(101)]
     assert curve[0] == 0.1 and curve[9] == 1.0 and curve[10] == 1.0 and curve[55] == 0.5 and curve[100] == 0.0
-    at_60 = P.lr_factor(plan, 60)
+    at_60 = lr_factor(plan, 60)
 
     class Flags:
         epochs, max_steps, budget = 2, None, None
@@ -61,11 +63,11 @@ def test_a_replanned_lr_continues_from_today_s_value_and_never_rises():
         Flags.epochs, Flags.max_steps = epochs, max_steps
         new = P.replan(plan, 60, step, Flags, batch)
         assert new.total == total
-        after = [P.lr_factor(new, pos) for pos in range(60, 301)]
+        after = [lr_factor(new, pos) for pos in range(60, 301)]
         assert after[0] == pytest.approx(at_60)  # continues from today's LR...
         assert all(a >= b for a, b in zip(after, after[1:], strict=False)) and after[-1] == 0  # ...to 0, never up
     Flags.epochs, Flags.max_steps = 2, None  # during warmup the warmup is kept
-    assert P.lr_factor(P.replan(plan, 5, 5, Flags, 64), 5) == curve[5]
+    assert lr_factor(P.replan(plan, 5, 5, Flags, 64), 5) == curve[5]
 
 
 def test_durations_parse_and_the_estimator_says_which_limit_ends_the_run(tmp_path):
@@ -99,7 +101,7 @@ def test_a_budget_run_ends_on_its_budget_and_resumes_bitwise(tmp_path, corpus, t
     s = summary(out)
     budget, plan = s["budget"], s["lr_plan"]
     assert s["steps"] == plan["total"] == budget["steps_fit"] and s["lr_plan_position"] == plan["total"]
-    assert P.lr_factor(P.LRPlan.from_dict(plan), s["lr_plan_position"]) == 0 and budget["limit"] == "budget"
+    assert lr_factor(P.LRPlan.from_dict(plan), s["lr_plan_position"]) == 0 and budget["limit"] == "budget"
     speed_moved = abs(3600 / s["steps_per_hour"] / budget["train_step_s"] - 1)
     assert abs(s["train_seconds"] / 20 - 1) <= 0.10 + speed_moved, (s["train_seconds"], budget, speed_moved)
     assert re.search(r"^--budget 0h00m20s: a step takes [\d.]+ s here, [\d.]+ s with eval, checkpoints and exports "
@@ -109,15 +111,15 @@ def test_a_budget_run_ends_on_its_budget_and_resumes_bitwise(tmp_path, corpus, t
     # first one would train most of the budget again, ~17 s of the suite, for the same check of the stored plan)
     killed = str(tmp_path / "killed")
     shutil.copytree(out, killed, ignore=shutil.ignore_patterns("hf", "summary.json"))
-    steps = sorted(int(name[5:]) for name in os.listdir(os.path.join(killed, "checkpoints")) if name[:5] == "step_")
+    steps = sorted(checkpoints.step_folders(os.path.join(killed, "checkpoints")))
     resume_at = max(k for k in steps if k < s["steps"])
     for k in steps:
         if k != resume_at:
-            shutil.rmtree(os.path.join(killed, "checkpoints", f"step_{k:06d}"))
+            shutil.rmtree(os.path.join(killed, "checkpoints", checkpoints.step_name(k)))
     with open(os.path.join(killed, "checkpoints", "latest"), "w") as f:
-        f.write(f"step_{resume_at:06d}")
+        f.write(checkpoints.step_name(resume_at))
     _, stdout, err = run_main(*common(corpus, tok_dir, killed), *BUDGET)
-    assert f"resumed from {killed}/checkpoints/step_{resume_at:06d}" in stdout, err[-3000:]
+    assert f"resumed from {killed}/checkpoints/{checkpoints.step_name(resume_at)}" in stdout, err[-3000:]
     assert "the calibration took" in stdout and resume_at >= 20, stdout[:3000]
     assert summary(killed)["steps"] == s["steps"]
     assert same_weights(final_weights(out), final_weights(killed))

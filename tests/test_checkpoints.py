@@ -20,6 +20,7 @@ from conftest import (
     copy_of,
     crash_at,
     final_weights,
+    make_stream,
     plain,
     processes_of,
     release_out_dir_locks,
@@ -32,8 +33,10 @@ from conftest import (
 )
 
 import checkpoints
+import estimate_steps
 import model as M
 import pretrain_ddp as P
+from estimate_steps import lr_factor
 
 CLEAN = ["--num-workers", "0", "--save-every", "2", "--keep-last", "10", "--max-steps", "12"]
 
@@ -204,12 +207,11 @@ def test_the_hf_export_loads_offline_and_gives_the_training_model_s_mlm_logits(c
     answers = fill("the river [MASK] the stone .")
     assert len(answers) == 5 and all("token_str" in a for a in answers)
     # The exported model's MLM logits are the training model's (whose head runs sparsely).
-    import data_stream
     trained = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 32, tokenizer.pad_token_id),
                                          "nsp", 0.1))
     trained.hf.load_state_dict(final_weights(out))
     trained.eval()
-    stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=8, rank=0, world_size=1)
+    stream = make_stream(corpus, tokenizer, max_seq_len=32, batch_size=8)
     batch = M.prepare(M.sparse_targets(next(iter(stream))), torch.device("cpu"))[0]
     with torch.no_grad():
         full = mlm(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
@@ -243,7 +245,7 @@ def test_sigterm_to_the_job_stops_every_rank_at_the_same_step_and_saves(tmp_path
     s = summary(out)
     assert s["stopped_by_signal"] and s["steps"] == stopped_at >= 5
     assert stopped_at % 4 == 0 or re.search(rf"^step {stopped_at}: eval/mlm_loss", text, re.M), text[-3000:]
-    assert open(os.path.join(out, "checkpoints", "latest")).read() == f"step_{stopped_at:06d}"
+    assert open(os.path.join(out, "checkpoints", "latest")).read() == checkpoints.step_name(stopped_at)
     rc, again, err2 = run([*cmd, "--max-steps", str(stopped_at + 2)])
     assert rc == 0 and f"at step {stopped_at}," in again and summary(out)["steps"] == stopped_at + 2, err2[-2000:]
 
@@ -342,9 +344,9 @@ def test_a_save_that_dies_midway_never_costs_a_complete_checkpoint(tmp_path, mon
         found = {}
         for d in os.listdir(root):
             loaded, _ = checkpoints.read_checkpoint(os.path.join(root, d))
-            if d.startswith("step_") and loaded is not None:
+            if checkpoints.step_of(d) is not None and loaded is not None:
                 assert torch.equal(loaded["trainer.pt"]["w"], torch.full((256,), loaded["meta"]["value"]))
-                found[int(d[5:])] = loaded["meta"]["value"]
+                found[checkpoints.step_of(d)] = loaded["meta"]["value"]
         return found
 
     pristine = str(tmp_path / "pristine")
@@ -386,6 +388,6 @@ def test_the_meta_of_a_checkpoint_written_before_the_typed_state_reads_back_unch
     budget = {"seconds": 20.0, "step_s": 0.1, "train_step_s": 0.08, "calibration_s": 3.0, "steps_fit": 170,
               "limit": "budget"}
     for plan in (meta["plan"], {**meta["plan"], "budget": budget}):
-        typed = P.LRPlan.from_dict(plan)
+        typed = estimate_steps.LRPlan.from_dict(plan)
         assert json.loads(json.dumps(dataclasses.asdict(typed))) == {"budget": None, **plan}
-        assert P.lr_factor(typed, 1) == 1.0 and P.lr_factor(typed, 30) == 0.0  # warmup 2, linear to 0 at 30
+        assert lr_factor(typed, 1) == 1.0 and lr_factor(typed, 30) == 0.0  # warmup 2, linear to 0 at 30

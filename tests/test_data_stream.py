@@ -121,7 +121,7 @@ def test_resize_chain_4_2_2_repeats_nothing(corpus, tokenizer):
     states, tokens = read_phase(corpus, tokenizer, kw, 4, 0, None, [19] * 4)
     phases.append(tokens)
     # 2 leftover windows each, and more
-    states, tokens = read_phase(corpus, tokenizer, kw, 2, 1, ds.BertPretrainStream.merge_states(states), [10] * 2)
+    states, tokens = read_phase(corpus, tokenizer, kw, 2, 1, ds.merge_states(states), [10] * 2)
     phases.append(tokens)
     # the new sharding, what it left out, the 4 leftover windows, documents the pools had partly read
     assert all(s["num_shards"] == 2 and s["exclude"] and len(s["leftover"]) == 4 and s["partial"] for s in states)
@@ -146,7 +146,7 @@ def test_resize_during_the_leftover_and_on_workers_repeats_nothing(corpus, token
         tokens += read
         if world_size == 2:
             assert len(states[1]["leftover"]) == 12 and states[1]["positions"]["1"]["leftover_used"] == 4
-        state = ds.BertPretrainStream.merge_states(states)
+        state = ds.merge_states(states)
     assert Counter(tokens) == corpus_tokens(corpus, tokenizer)
 
 
@@ -312,7 +312,7 @@ def test_resize_neither_repeats_nor_loses_an_nsp_sample(corpus, tokenizer):
             stream.consumed(batch["cursor"])
             seen += rows([batch])
         states.append(stream.state_dict())
-    merged = ds.BertPretrainStream.merge_states(states)
+    merged = ds.merge_states(states)
     assert len(merged["positions"]) == 4
     for rank in range(2):
         stream = make_stream(corpus, tokenizer, rank=rank, world_size=2, **kw)
@@ -428,7 +428,7 @@ def test_a_stream_left_early_exits_silently(corpus, tmp_path, tok_dir):
     """A loop left after its first batch leaves its generator to the interpreter's exit, after numpy's
     teardown: it must say nothing (it printed 'Exception ignored in ... batches')."""
     code = ("import data_stream as ds\n"
-            f"s = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), max_seq_len=32)\n"
+            f"s = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), ds.StreamSettings(max_seq_len=32))\n"
             "it = s.batches()\nnext(it)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                             env={**os.environ, "BERT_DDP_CACHE": str(tmp_path / "cache")})

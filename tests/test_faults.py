@@ -28,6 +28,8 @@ from conftest import (
     wait_for,
 )
 
+import checkpoints
+
 INJECT = os.path.join(TESTS, "_inject.py")
 ONE_LINE = re.compile(r"^pretrain_ddp.py: error: ", re.M)
 
@@ -246,7 +248,7 @@ def test_a_loss_that_stays_nan_stops_the_run_and_no_checkpoint_left_gives_it(tmp
     assert "not saved at step 6: the weights gave a non-finite loss in the last step" in stdout
     assert not os.path.exists(os.path.join(out, "hf"))
     assert open(os.path.join(ckpts, "latest")).read() == "step_000004"
-    left = sorted(d for d in os.listdir(ckpts) if d.startswith("step_"))
+    left = sorted(checkpoints.step_folders(ckpts).values())
     assert left == ["step_000003", "step_000004"], left  # --keep-last 3 rotated step 2 out at step 5
     assert all(loss_on_a_batch(os.path.join(ckpts, d), tok_dir) < 20 for d in left)  # finite, and trained
     damaged = loss_on_a_batch(os.path.join(ckpts, "abandoned", "step_000005"), tok_dir)
@@ -270,9 +272,10 @@ def test_a_sigkilled_torchrun_leaves_no_rank_behind_and_the_rerun_resumes_bitwis
     rc, stdout, err = run(cmd, kill_the_agent_at_step_5)
     assert rc == -signal.SIGKILL, err[-3000:]
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", stdout)[1])
-    assert 5 <= stopped_at < 14 and f"saved {out}/checkpoints/step_{stopped_at:06d}" in stdout, stdout[-3000:]
+    saved = f"{out}/checkpoints/{checkpoints.step_name(stopped_at)}"
+    assert 5 <= stopped_at < 14 and f"saved {saved}" in stdout, stdout[-3000:]
     rc, stdout, err = run(cmd)
-    assert rc == 0 and f"resumed from {out}/checkpoints/step_{stopped_at:06d}" in stdout, err[-3000:]
+    assert rc == 0 and f"resumed from {out}/checkpoints/{checkpoints.step_name(stopped_at)}" in stdout, err[-3000:]
     assert same_weights(final_weights(two_ranks_reference), final_weights(out))
 
 

@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import make_stream
 
 import model as M
 
@@ -51,12 +52,11 @@ def test_packed_pairs_give_each_pair_the_logits_of_its_own_row(corpus, tokenizer
     from each pair's [CLS]) give, per pair, in eval mode and fp32, the MLM logits at its masked positions
     and the NSP logits of the same pairs each in a padded row of its own, within 1e-4; the masks and
     targets are the same too. And packing fills rows: fewer rows than pairs, less padding."""
-    import data_stream
     torch.manual_seed(0)
     model = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 128, tokenizer.pad_token_id),
                                        "nsp", 0.1)).eval()
-    streams = [data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=96, batch_size=12, rank=0, world_size=1,
-                                              whole_word_mask=whole_word, pack_pairs=pack, seed=3, short_seq_prob=0.6)
+    streams = [make_stream(corpus, tokenizer, max_seq_len=96, batch_size=12, whole_word_mask=whole_word,
+                           pack_pairs=pack, seed=3, short_seq_prob=0.6)
                for pack in (False, True)]
     rows = []
     with torch.no_grad():
@@ -151,7 +151,6 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     the edge batches dynamo specialises: one row, and 0 or 1 masked tokens. Packed pairs: one graph."""
     from torch._dynamo.testing import CompileCounter
 
-    import data_stream
     torch._dynamo.reset()
     counter = CompileCounter()  # a backend that counts the graphs dynamo hands it, and runs them eagerly
     model = M.Pretraining(M.model_from(M.new_architecture("tiny", len(tokenizer), 64, tokenizer.pad_token_id),
@@ -160,8 +159,7 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     kinds = []
     raws = []
     for batch_size in (8, 5, 8, 3, 7, 2, 1):
-        stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, rank=0,
-                                                world_size=1)
+        stream = make_stream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size)
         raws += list(itertools.islice(stream, 2))
     for keep in (0, 1):  # batches with no masked token, and with one
         raw = {k: v.clone() if torch.is_tensor(v) else v for k, v in raws[0].items()}
@@ -183,8 +181,8 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     compiled = torch.compile(model, backend=counter)
     shapes = set()
     for batch_size in (8, 5, 1, 3, 16):
-        stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, rank=0,
-                                                world_size=1, pack_pairs=True, short_seq_prob=0.5)
+        stream = make_stream(corpus, tokenizer, max_seq_len=64, batch_size=batch_size, pack_pairs=True,
+                             short_seq_prob=0.5)
         for raw in itertools.islice(stream, 2):
             batch, counts = M.prepare(M.sparse_targets(raw), torch.device("cpu"), dynamic=True)
             compiled(**batch)[0].backward()

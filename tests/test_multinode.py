@@ -16,6 +16,8 @@ import pytest
 import torch
 from conftest import FAST, ROOT, SCRIPT, Launch, final_weights, run, same_weights, torchrun, wait_for, write_corpus
 
+import checkpoints
+
 pytestmark = pytest.mark.slow  # every test here starts the trainer
 
 AGENT = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1"]
@@ -284,10 +286,10 @@ def test_a_sigkilled_agent_of_the_second_node_stops_the_job_and_the_rerun_resume
                           kill_node_1_s_agent_at_step_6)
     assert ranks_ended == ["killed", True], ranks_ended
     stopped_at = int(re.search(r"stopped by signal at step (\d+) on every rank", results[0][1])[1])
-    assert 6 <= stopped_at < 12 and f"saved run/checkpoints/step_{stopped_at:06d}" in results[0][1]
+    assert 6 <= stopped_at < 12 and f"saved run/checkpoints/{checkpoints.step_name(stopped_at)}" in results[0][1]
     results = run_nodes(nodes, static(free_port()), [*ARGS, "--tokenizer", tokenizer_of(reference)])
     assert [rc for rc, _, _ in results] == [0, 0], results[0][2][-3000:] + results[1][2][-3000:]
-    assert f"resumed from run/checkpoints/step_{stopped_at:06d}" in results[0][1]
+    assert f"resumed from run/checkpoints/{checkpoints.step_name(stopped_at)}" in results[0][1]
     assert same_weights(final_weights(reference), final_weights(os.path.join(nodes[0], "run")))
 
 

@@ -19,6 +19,7 @@ from conftest import (
     copy_of,
     crash_at,
     logged,
+    make_stream,
     plain,
     run,
     run_main,
@@ -415,8 +416,7 @@ def test_bad_input_end_to_end_exits_2_with_one_line_and_no_traceback(tmp_path, c
 def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer):
     import copy
 
-    import data_stream
-    stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
+    stream = make_stream(corpus, tokenizer)
     batch, counts = M.prepare(M.sparse_targets(next(iter(stream))), torch.device("cpu"))
     masked = counts["num_masked"]
     torch.manual_seed(0)
@@ -437,8 +437,7 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
     """SGD at lr 1 makes the weight update the applied gradient: with --clip 0 its norm is the raw
     norm; with --clip 0.01 it is 0.01. Under fp16's GradScaler (scale 4096) the norm is measured
     and clipped on the unscaled gradients: the same numbers."""
-    import data_stream
-    stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
+    stream = make_stream(corpus, tokenizer)
     batch, counts = M.prepare(M.sparse_targets(next(iter(stream))), torch.device("cpu"))
     masked = counts["num_masked"]
     found = {}

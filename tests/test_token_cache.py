@@ -180,8 +180,8 @@ open({ready!r}, "w").close()
 while not os.path.exists({go!r}):
     time.sleep(0.005)
 for seed, epoch in {passes!r}:
-    stream = ds.BertPretrainStream({corpus!r}, tok, objective="nsp", batch_size=4, max_seq_len=32, rank=0,
-                                   world_size=1, seed=seed, token_cache={cache!r})
+    settings = ds.StreamSettings(objective="nsp", batch_size=4, max_seq_len=32, seed=seed, token_cache={cache!r})
+    stream = ds.BertPretrainStream({corpus!r}, tok, settings, rank=0, world_size=1)
     stream.set_epoch(epoch)
     for batch in stream:
         pass

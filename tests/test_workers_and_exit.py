@@ -6,9 +6,8 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, ROOT, TESTS, plain, run
+from conftest import FAST, ROOT, TESTS, make_stream, plain, run
 
-import data_stream
 import pretrain_ddp as P
 
 
@@ -16,7 +15,7 @@ def test_workers_start_from_a_forkserver_and_the_eval_loader_persists(corpus, to
     """A child forked from a process that runs threads (gloo, TensorBoard, OpenMP, pin-memory) can
     hang on a lock one of them held (seen: an eval worker, 1 job in 30 under load). Workers come
     from a forkserver that preloads torch and the stream's modules; the eval loader keeps its workers."""
-    stream = data_stream.BertPretrainStream(corpus, tokenizer, max_seq_len=32, batch_size=4, rank=0, world_size=1)
+    stream = make_stream(corpus, tokenizer)
     train = P.make_loader(stream, 1, torch.device("cpu"), 60)
     evals = P.make_loader(stream, 1, torch.device("cpu"), 60, persistent=True)
     assert train.multiprocessing_context.get_start_method() == "forkserver" and train.timeout == 60
@@ -38,9 +37,9 @@ def test_workers_take_our_modules_not_the_working_directory_s(corpus, tok_dir, t
         (tmp_path / f"{name}.py").write_text(f"raise SystemExit('the working directory {name}.py')\n")
     code = ("import sys, torch\n"
             f"sys.path.insert(0, {ROOT!r})\n"
-            "import data_stream, model\n"
-            f"s = data_stream.BertPretrainStream({corpus!r}, data_stream.get_tokenizer({tok_dir!r}), max_seq_len=32)\n"
-            "print(next(iter(data_stream.make_loader(s, 1, False, 60, model.sparse_targets)))['num_samples'])\n")
+            "import data_stream as ds, model, workers\n"
+            f"s = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), ds.StreamSettings(max_seq_len=32))\n"
+            "print(next(iter(workers.make_loader(s, 1, False, 60, model.sparse_targets)))['num_samples'])\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": ""})
     assert result.returncode == 0 and int(result.stdout.split()[-1]) >= 32, result.stderr[-2000:]
