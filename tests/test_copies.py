@@ -1,0 +1,113 @@
+"""The README's copy table ("to use X, copy these files"), row by row: exactly those files are copied into an empty
+folder and run there, in a process that cannot see the repository (its working directory is the folder, no
+PYTHONPATH): a forward; a few batches; an estimate; a few steps; a fine-tuning on a tiny task."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import FAST, ROOT, env, write_corpus
+
+ROWS = {  # the README's rows, as the test reads them (test_the_readme_s_table_is_this_one)
+    "the model": ["model.py"],
+    "the data stream": ["data_stream.py"],
+    "the estimator": ["estimate_steps.py", "data_stream.py"],
+    "the trainer": ["pretrain_ddp.py", "model.py", "data_stream.py", "estimate_steps.py", "checkpoints.py", "ranks.py",
+                    "trackers.py", "workers.py", "builtin_corpus.py"],
+    "fine-tuning": ["finetune.py", "model.py", "checkpoints.py", "data_stream.py", "estimate_steps.py"],
+}
+
+
+def copied(row, folder):
+    os.makedirs(folder)
+    for name in ROWS[row]:
+        shutil.copy(os.path.join(ROOT, name), folder)
+    return str(folder)
+
+
+def run_in(folder, *args, timeout=300):
+    """python ARGS in folder, which is all of the project it can import."""
+    extra = {k: v for k, v in env().items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, *args], cwd=folder, env=extra, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_readme_s_table_is_this_one():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = {}
+    for row in ROWS:
+        line = re.search(rf"^\| {re.escape(row)} \| (.*?) \|", readme, re.M)
+        assert line, f"README.md has no copy-table row '| {row} |'"
+        table[row] = re.findall(r"`([\w.]+\.py)`", line[1])
+    assert table == ROWS
+    # every module the product imports is in some row: a new file cannot slip past the table
+    product = {f for f in os.listdir(ROOT) if f.endswith(".py")} - {"arrow_corpus.py"}  # optional: parquet/Arrow
+    assert product == {f for files in ROWS.values() for f in files}
+
+
+def test_model_py_alone_builds_a_model_and_its_forward_is_the_stock_one(tmp_path):
+    folder = copied("the model", tmp_path / "model")
+    code = """
+import torch, model
+torch.manual_seed(0)
+hf = model.model_from(model.new_architecture("tiny", 100, 32, 0), "nsp", 0.0).eval()
+ids = torch.randint(5, 100, (2, 16))
+types = torch.zeros_like(ids)
+masked_pos, cls_pos = torch.tensor([3, 20, 31]), torch.tensor([0, 16])  # among the flattened rows
+with torch.no_grad():
+    logits, nsp = model.Pretraining(hf).logits(ids, types, masked_pos, cls_pos=cls_pos)
+    stock = hf(input_ids=ids, token_type_ids=types)
+print(logits.shape[0], (logits - stock.prediction_logits.flatten(0, 1)[masked_pos]).abs().max().item(),
+      (nsp - stock.seq_relationship_logits).abs().max().item())
+"""
+    rows, mlm_off, nsp_off = run_in(folder, "-c", code).split()
+    assert int(rows) == 3 and float(mlm_off) < 1e-4 and float(nsp_off) < 1e-4
+
+
+def test_data_stream_py_alone_streams_a_text_corpus_with_a_tokenizer_folder(tmp_path, corpus, tok_dir):
+    folder = copied("the data stream", tmp_path / "stream")
+    code = f"""
+import itertools, torch, data_stream as ds
+stream = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), ds.StreamSettings(max_seq_len=32,
+                                                                                                batch_size=4))
+for batch in itertools.islice(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1), 3):
+    print(tuple(batch["input_ids"].shape), int((batch["labels"] != -100).sum()))
+"""
+    batches = [line.split(") ") for line in run_in(folder, "-c", code).splitlines()]
+    assert len(batches) == 3 and all(shape.endswith(", 32") and int(masked) > 0 for shape, masked in batches)
+    shown = run_in(folder, "data_stream.py", "--corpus", corpus, "--tokenizer", tok_dir, "--show", "2")
+    assert shown.count("--- sample") == 2 and "[MASK]" in shown
+
+
+@pytest.mark.slow  # a process of its own: the estimator's imports
+def test_the_estimator_runs_from_its_two_files(tmp_path, corpus, tok_dir):
+    folder = copied("the estimator", tmp_path / "estimator")
+    estimate = json.loads(run_in(folder, "estimate_steps.py", "--corpus", corpus, "--tokenizer", tok_dir,
+                                 "--max-seq-len", "32", "--batch-size", "4", "--json"))
+    assert estimate["mode"] == "exact" and estimate["total_steps"] > 10 and estimate["documents"] == 120
+
+
+@pytest.mark.slow  # two processes: a trainer and a fine-tuning
+def test_the_trainer_and_finetune_run_from_their_files(tmp_path, tok_dir):
+    corpus = write_corpus(tmp_path / "corpus.txt", 60)
+    trainer = copied("the trainer", tmp_path / "trainer")
+    run_in(trainer, "pretrain_ddp.py", "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none",
+           "--out-dir", "run", *FAST, "--max-steps", "3")
+    run = os.path.join(trainer, "run")
+    with open(os.path.join(run, "summary.json")) as f:
+        assert json.load(f)["steps"] == 3
+    assert os.path.exists(os.path.join(run, "hf", "config.json"))
+    tune = copied("fine-tuning", tmp_path / "finetune")
+    with open(os.path.join(tune, "task.csv"), "w") as f:
+        f.write("label,text\n" + "".join(f"yes,river stone {i}\n" if i % 2 else f"no,paper engine {i}\n"
+                                          for i in range(80)))
+    run_in(tune, "finetune.py", run, "--task", "task.csv", "--seeds", "1", "--epochs", "1", "--out", "scores.json")
+    with open(os.path.join(tune, "scores.json")) as f:
+        scores = json.load(f)
+    assert 0.0 <= scores["accuracy_mean"] <= 1.0 and len(scores["seeds"]) == 1
