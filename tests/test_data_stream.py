@@ -289,6 +289,10 @@ def test_non_utf8_is_replaced_and_counted(tmp_path, tokenizer):
     path.write_bytes("caf\xe9 au lait .\nna\xefve river .\n\nplain river stone .\n".encode("latin-1"))
     with pytest.warns(UserWarning, match="2 line"):
         stream = make_stream(str(path), tokenizer, mask_prob=0.0)
+    # each bad byte is one U+FFFD where it stood, not dropped: the words around it, the lines, the documents kept
+    # (the text read is where it shows: the tokenizer's normalizer drops U+FFFD, 'caf' and 'caf\ufffd' tokenize alike)
+    docs = [stream.corpus.read(d) for d in range(stream.corpus.num_docs)]
+    assert docs == [["caf\ufffd au lait .", "na\ufffdve river ."], ["plain river stone ."]], docs
     assert sum(len(b["input_ids"]) for b in stream) > 0
 
 
