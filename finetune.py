@@ -127,6 +127,10 @@ def parse_args(argv=None):
     recipe.add_argument("--batch-size", type=number(int, 1), default=None, help="examples per optimizer step")
     recipe.add_argument("--max-len", type=number(int, 4), default=None,
                         help="tokens per example (longer ones are cut), [CLS] and [SEP] included")
+    recipe.add_argument("--pooling", choices=("cls", "mean"), default="cls",
+                        help="what the classifier reads: cls, the pooler at [CLS] (BERT's; an mlm run trains neither, "
+                             "so they start fresh), or mean, the last layer's mean over the real tokens; results go to "
+                             "<task>_mean*.json (default %(default)s)")
     runs = p.add_argument_group("seeds, size, output")
     runs.add_argument("--seeds", type=seed_list, default=seed_list("3"), metavar="N|LIST",
                       help="N: seeds 0..N-1; or a comma list (e.g. 3,4 or 7,). A seed fixes the classifier's "
@@ -149,6 +153,7 @@ class Recipe:
     epochs: int
     batch_size: int
     max_len: int
+    pooling: str = "cls"  # what the classifier reads (model.classify)
 
 
 # ----------------------------------------------------------------------------- the tasks
@@ -459,7 +464,8 @@ def recipe_for(args, config):
     row = size if size in RECIPES else min(RECIPES, key=lambda s: abs(MODEL_SIZES[s][1] - config.hidden_size))
     defaults = dict(zip(("lr", "epochs", "batch_size", "max_len"), RECIPES[row], strict=True))
     defaults["max_len"] = min(defaults["max_len"], config.max_position_embeddings)
-    recipe = Recipe(**{k: default if getattr(args, k) is None else getattr(args, k) for k, default in defaults.items()})
+    recipe = Recipe(**{k: default if getattr(args, k) is None else getattr(args, k) for k, default in defaults.items()},
+                    pooling=args.pooling)
     if recipe.max_len > config.max_position_embeddings:
         fail(f"--max-len {recipe.max_len} exceeds the {config.max_position_embeddings} positions of MODEL "
                f"{args.model}: give --max-len {config.max_position_embeddings} or less")
@@ -564,7 +570,7 @@ def with_progress(items, label):
     print(file=sys.stderr, flush=True)
 
 
-def predict(model, split, pad_id, device):
+def predict(model, split, pad_id, device, pooling):
     """The class predicted for each example of split, in its order."""
     model.eval()
     order = sorted(range(len(split.ids)), key=lambda i: len(split.ids[i]))  # batches of like lengths pad little
@@ -573,7 +579,7 @@ def predict(model, split, pad_id, device):
         for start in range(0, len(order), EVAL_BATCH):
             rows = order[start:start + EVAL_BATCH]
             batch = batch_of(split, rows, pad_id, device)
-            logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+            logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], pooling)
             predicted[rows] = logits.argmax(-1).cpu()
     return predicted
 
@@ -605,7 +611,7 @@ def finetune(source, data, labels, recipe, seed, device, label):
             group["lr"] = recipe.lr * lr_factor(plan, step)
         batch = batch_of(data.train, rows, data.pad_id, device)
         # model.py's forward: the real tokens only, the last layer at [CLS] only (BENCHMARKS.md section 19)
-        logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"])
+        logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], recipe.pooling)
         loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
@@ -613,12 +619,12 @@ def finetune(source, data, labels, recipe, seed, device, label):
         optimizer.zero_grad(set_to_none=True)
         if step >= len(steps) - len(epochs[-1]):
             last_epoch_loss += loss.detach()
-    predicted = predict(model, data.test, data.pad_id, device)
+    predicted = predict(model, data.test, data.pad_id, device, recipe.pooling)
     result = {"seed": seed, "accuracy": (predicted == data.test.labels).float().mean().item()}
     if len(labels) > 2:
         result["macro_f1"] = macro_f1(predicted, data.test.labels)
     if data.dev is not None:
-        dev_predicted = predict(model, data.dev, data.pad_id, device)
+        dev_predicted = predict(model, data.dev, data.pad_id, device, recipe.pooling)
         result["dev_accuracy"] = (dev_predicted == data.dev.labels).float().mean().item()
     result["train_loss"] = last_epoch_loss.item() / len(epochs[-1])  # the last epoch's mean: did it learn?
     result["seconds"] = round(time.perf_counter() - start, 2)
@@ -644,6 +650,73 @@ def score(source, labels, data, recipe, seeds, device):
     return entry
 
 
+# ----------------------------------------------------------------------------- what the score is worth
+
+BAG_OF_WORDS = 1  # the recipe's version, in its cache key: a change below computes every task's again
+BAG_OF_WORDS_C = (0.1, 0.3, 1.0, 3.0, 10.0)
+
+
+def bag_of_words(task, args):
+    """The same split's bag-of-words score, the reference pretraining has to beat (ANCHORS.md: polarity 0.750-0.758,
+    r8 0.962-0.977): TF-IDF of words and word pairs (sublinear tf), a linear SVM whose C is chosen on dev (on a
+    fixed 10% of train where the task has none), refit on train. Seconds; cached by the examples' hash. None
+    without scikit-learn (a note says how to get it)."""
+    try:
+        import sklearn
+        from sklearn.feature_extraction.text import TfidfVectorizer
+        from sklearn.svm import LinearSVC
+    except ImportError:
+        warn("note: no bag-of-words reference beside the score: pip install scikit-learn")
+        return None
+    name = task_name(args.task)
+    train = limited(task.train, args.max_train, f"{name}-train")
+    test = limited(task.test, args.max_test, f"{name}-test")
+    dev = limited(task.dev, args.max_test, f"{name}-dev")
+    key = hashlib.sha256(json.dumps([BAG_OF_WORDS, sklearn.__version__, task.labels, train, dev, test]).encode())
+    path = os.path.join(data_stream.CACHE_DIR, "bag_of_words", f"{key.hexdigest()[:24]}.json")
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            return json.load(f)
+    choose_on = dev or [e for e in train if stable_fraction(e[0]) < 0.1]
+    fit_on = train if dev else [e for e in train if stable_fraction(e[0]) >= 0.1]
+
+    def fit(examples, c):
+        vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True)
+        features = vectorizer.fit_transform(e[0] if e[1] is None else f"{e[0]} | {e[1]}" for e in examples)
+        svm = LinearSVC(C=c).fit(features, [e[2] for e in examples])
+        return lambda rows: svm.predict(vectorizer.transform(e[0] if e[1] is None else f"{e[0]} | {e[1]}"
+                                                             for e in rows))
+
+    def accuracy(predict, rows):
+        return sum(p == e[2] for p, e in zip(predict(rows), rows, strict=True)) / len(rows)
+    best = max(BAG_OF_WORDS_C, key=lambda c: accuracy(fit(fit_on, c), choose_on))  # the first of equals
+    predicted = fit(train, best)(test)
+    class_id = {label: i for i, label in enumerate(task.labels)}
+    result = {"accuracy": sum(p == e[2] for p, e in zip(predicted, test, strict=True)) / len(test), "C": best,
+              "model": "TF-IDF of words and word pairs (sublinear tf), linear SVM, C chosen on "
+                       f"{'dev' if dev else 'a fixed 10% of train'}; scikit-learn {sklearn.__version__}"}
+    if len(task.labels) > 2:
+        result["macro_f1"] = macro_f1(torch.tensor([class_id[p] for p in predicted]),
+                                      torch.tensor([class_id[e[2]] for e in test]))
+    with contextlib.suppress(OSError):  # a read-only cache: computed again next time
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        data_stream.atomic_write(path, lambda f: json.dump(result, f), "w")
+    return result
+
+
+def floor_of(args, name, folder, run_dir, sizes):
+    """The random-init floor that --random-init wrote for this MODEL and task (at its default --out) on the same
+    examples; None if it has not run."""
+    path = default_out(argparse.Namespace(**{**vars(args), "random_init": True}), name, folder, run_dir)
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(path) as f:
+            floor = json.load(f)
+        if floor["examples"] == sizes:
+            return {"accuracy_mean": floor["accuracy_mean"], "accuracy_std": floor["accuracy_std"],
+                    "seeds": len(floor["seeds"]), "path": path}
+    return None
+
+
 # ----------------------------------------------------------------------------- main and the results
 
 def main(argv=None):
@@ -665,21 +738,28 @@ def main(argv=None):
     data = encode_task(task, args, tokenizer, recipe.max_len)
     sizes = {split: len(part.ids) if part else 0 for split, part in (("train", data.train), ("dev", data.dev),
                                                                      ("test", data.test))}
-    if first.weights is not None and not any(k.startswith("pooler.") for k in first.weights):
+    pooler = first.weights is None or any(k.startswith("pooler.") for k in first.weights)
+    if recipe.pooling == "cls" and not pooler:
         warn(f"note: MODEL {args.model} has no pooler (an mlm run's): it starts fresh, seeded like the classifier")
     if args.random_init:
         warn(f"note: --random-init: BERT-{size} with fresh weights, seeded; MODEL's weights are not used")
     say(f"{args.task}: {len(task.labels)} labels, {sizes['train']} train, {sizes['dev']} dev, "
           f"{sizes['test']} test examples ({task.test_from}); BERT-{size}, lr {recipe.lr:g}, epochs {recipe.epochs}, "
-          f"batch {recipe.batch_size}, max {recipe.max_len} tokens, seeds {','.join(map(str, args.seeds))}; "
-          f"{device}, threads: {torch.get_num_threads()}")
+          f"batch {recipe.batch_size}, max {recipe.max_len} tokens, pooling {recipe.pooling}, "
+          f"seeds {','.join(map(str, args.seeds))}; {device}, threads: {torch.get_num_threads()}")
 
     name = task_name(args.task)
     out = args.out or default_out(args, name, folders[0], run_dir)
+    # what the score is worth: the same split's bag of words, and this MODEL's random-init floor if it has run
+    reference = bag_of_words(task, args)
+    floor = None if args.random_init else floor_of(args, name, folders[0], run_dir, sizes)
     results = {"task": args.task, "test_from": task.test_from, "labels": task.labels, "examples": sizes,
                "size": size, "recipe": {**asdict(recipe), "warmup": WARMUP, "weight_decay": WEIGHT_DECAY},
                "random_init": args.random_init, "tokenizer": os.path.abspath(tokenizer_dir), "device": str(device),
-               "threads": torch.get_num_threads()}
+               "threads": torch.get_num_threads(), "floor": floor}
+    if reference is not None:
+        results.update({f"bag_of_words_{k}": v for k, v in reference.items() if k in ("accuracy", "macro_f1")})
+        results["bag_of_words"] = reference
     writer = None
     # beside the run's own scalars (tensorboard --logdir runs); a smoke run's numbers are not scores of the run
     if run_dir is not None and not args.random_init and args.max_train is None and args.max_test is None:
@@ -694,9 +774,12 @@ def main(argv=None):
             for key in ("accuracy", "macro_f1"):
                 if f"{key}_mean" in entry:
                     writer.add_scalar(f"finetune/{name}/{key}", entry[f"{key}_mean"], entry["step"])
+                if f"bag_of_words_{key}" in results:  # a flat line to beat, beside the curve
+                    writer.add_scalar(f"finetune/{name}/bag_of_words_{key}", results[f"bag_of_words_{key}"],
+                                      entry["step"])
             writer.flush()
         if args.every_checkpoint:
-            say(summary_line(task_label(args.task), entry, size, args.random_init))
+            say(summary_line(task_label(args.task), entry, size, results))
             write_json(out, {**results, "model": os.path.abspath(args.model), "checkpoints": entries})
     if writer is not None:
         writer.close()
@@ -707,7 +790,7 @@ def main(argv=None):
         written.append(os.path.splitext(out)[0] + ".png")
     tensorboard = f"; TensorBoard scalars finetune/{name}/* in {run_dir}" if writer else ""
     say(f"results: {', '.join(written)}{tensorboard}")
-    say(summary_line(task_label(args.task), entry, size, args.random_init))
+    say(summary_line(task_label(args.task), entry, size, results))
     return {**results, **entry} if not args.every_checkpoint else {**results, "checkpoints": entries}
 
 
@@ -717,6 +800,8 @@ def default_out(args, name, folder, run_dir):
     parent = os.path.dirname(os.path.normpath(folder))
     run_export = os.path.basename(os.path.normpath(folder)) == "hf" and os.path.isdir(os.path.join(parent, "tokenizer"))
     base = run_dir or (parent if run_export else args.model)
+    if args.pooling != "cls":
+        name += f"_{args.pooling}"
     if args.random_init:
         name += "_random_init"
     elif run_dir and not args.every_checkpoint:
@@ -734,14 +819,26 @@ def write_json(path, results):
         fail(f"cannot write the results {path}: {e.strerror or e}; give another --out")
 
 
-def summary_line(task, entry, size, random_init):
-    """E.g. 'polarity: test accuracy 0.712 ± 0.008 over 3 seeds (tiny, step 400)'."""
+def summary_line(task, entry, size, results):
+    """E.g. 'polarity: test accuracy 0.712 ± 0.008 over 3 seeds (tiny, step 400); random init 0.723 ± 0.005;
+    bag of words 0.755'."""
     line = f"{task}: test accuracy {entry['accuracy_mean']:.3f} ± {entry['accuracy_std']:.3f}"
     if "macro_f1_mean" in entry:
         line += f", macro-F1 {entry['macro_f1_mean']:.3f} ± {entry['macro_f1_std']:.3f}"
+    random_init = results["random_init"]
     where = ", random init" if random_init else "" if entry["step"] is None else f", step {entry['step']}"
     seeds = len(entry["seeds"])
-    return f"{line} over {seeds} seed{'s' if seeds > 1 else ''} ({size}{where})"
+    line += f" over {seeds} seed{'s' if seeds > 1 else ''} ({size}{where})"
+    floor = results["floor"]
+    if floor:
+        line += f"; random init {floor['accuracy_mean']:.3f} ± {floor['accuracy_std']:.3f}"
+    elif not random_init:
+        line += "; random init: not run (the same command with --random-init)"
+    if "bag_of_words_accuracy" in results:
+        line += f"; bag of words {results['bag_of_words_accuracy']:.3f}"
+        if "bag_of_words_macro_f1" in results:
+            line += f", macro-F1 {results['bag_of_words_macro_f1']:.3f}"
+    return line
 
 
 def plot(entries, task, path):

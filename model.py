@@ -108,10 +108,12 @@ class Pretraining(torch.nn.Module):
         return logits, self.hf.cls.seq_relationship(pooled).float()
 
 
-def classify(classifier, input_ids, token_type_ids, attention_mask):
+def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls"):
     """A Hugging Face BertForSequenceClassification's logits, computed as Pretraining computes its own: the real
-    tokens only, the last layer only at each row's [CLS]; attention_mask is a tokenizer's (rows, width) of 1s
-    and 0s. The same math as classifier(...).logits (tests: 1e-5)."""
+    tokens only; attention_mask is a tokenizer's (rows, width) of 1s and 0s. pooling "cls": the last layer only
+    at each row's [CLS], through the pooler: the same math as classifier(...).logits (tests: 1e-5). "mean": the
+    classifier reads the mean of the last layer over each row's real tokens (the pooler unused): an mlm run
+    trains neither [CLS] nor the pooler, and every token's state is what its loss trained."""
     lengths = attention_mask.sum(1)
     cls_pos = lengths.cumsum(0) - lengths  # each row's [CLS] among the real tokens
     real_pos = None
@@ -119,8 +121,13 @@ def classify(classifier, input_ids, token_type_ids, attention_mask):
     if int(lengths.sum()) < attention_mask.numel():  # padding: compute the real tokens only
         real_pos = attention_mask.flatten().nonzero().squeeze(1)
         mask = attention_mask.bool()[:, None, None, :]
-    x = encode(classifier.bert, input_ids, token_type_ids, cls_pos, mask, None, real_pos, classifier.training)
-    pooled = classifier.bert.pooler(x[:, None])  # the pooler reads position 0
+    reads = cls_pos if pooling == "cls" else torch.arange(int(lengths.sum()), device=input_ids.device)
+    x = encode(classifier.bert, input_ids, token_type_ids, reads, mask, None, real_pos, classifier.training)
+    if pooling == "cls":
+        pooled = classifier.bert.pooler(x[:, None])  # the pooler reads position 0
+    else:
+        row = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
+        pooled = x.new_zeros(len(lengths), x.shape[1]).index_add_(0, row, x) / lengths[:, None].to(x.dtype)
     return classifier.classifier(classifier.dropout(pooled))
 
 

@@ -321,8 +321,59 @@ def test_learns_a_learnable_task(tmp_path, micro):
     assert results["seeds"][0]["accuracy"] > 0.95 and results["seeds"][0]["train_loss"] < 0.1
     assert results["examples"] == {"train": 600, "dev": 0, "test": 300} and results["size"] == "1L-32H-2A"
     assert results["recipe"] == {"lr": 3e-3, "epochs": 5, "batch_size": 32, "max_len": 64,  # tiny's, cut to 64
-                                 "warmup": 0.1, "weight_decay": 0.01}
+                                 "pooling": "cls", "warmup": 0.1, "weight_decay": 0.01}
+    assert results["bag_of_words_accuracy"] > 0.95  # one word decides: a linear model of words finds it
     assert load(os.path.join(micro, "finetune", "train.json"))["accuracy_mean"] == results["accuracy_mean"]
+
+
+@pytest.mark.slow
+def test_the_floor_and_the_bag_of_words_stand_beside_the_score(tmp_path, micro, capsys, monkeypatch):
+    """The JSON, the summary line and (test_every_checkpoint_...) TensorBoard carry the same split's bag of words,
+    computed once and cached, and the floor that --random-init wrote for this MODEL and task."""
+    train = write_rows(tmp_path / "beside.csv", river_rows(600, 0))
+    floor = finetune.main([micro, "--task", train, *TRAIN_FAST, "--random-init"])
+    assert floor["floor"] is None and os.path.basename(floor["model"]) == "hf"
+    capsys.readouterr()
+    results = finetune.main([micro, "--task", train, *TRAIN_FAST])
+    assert results["floor"] == {"accuracy_mean": floor["accuracy_mean"], "accuracy_std": 0.0, "seeds": 1,
+                                "path": os.path.join(micro, "finetune", "beside_random_init.json")}
+    assert results["bag_of_words_accuracy"] == floor["bag_of_words_accuracy"] > 0.9
+    assert "TF-IDF" in results["bag_of_words"]["model"] and results["bag_of_words"]["C"] in finetune.BAG_OF_WORDS_C
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert f"; random init {floor['accuracy_mean']:.3f} ± 0.000; bag of words " in line, line
+    import sklearn.svm  # cached: a second run does not fit again
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("the bag of words was fitted again")
+    monkeypatch.setattr(sklearn.svm, "LinearSVC", no_fit)
+    again = finetune.main([micro, "--task", train, *TRAIN_FAST, "--out", str(tmp_path / "again.json")])
+    assert again["bag_of_words"] == results["bag_of_words"]
+
+
+def test_without_scikit_learn_one_note_and_the_score_as_before(tmp_path, micro, capsys, monkeypatch):
+    hide_package(monkeypatch, "sklearn")
+    train = write_rows(tmp_path / "plain.csv", river_rows(100, 0))
+    results = finetune.main([micro, "--task", train, *TRAIN_FAST, "--max-len", "16", "--out", str(tmp_path / "o.json")])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "scikit-learn" in line]
+    assert notes == ["note: no bag-of-words reference beside the score: pip install scikit-learn"]
+    assert "bag_of_words_accuracy" not in results and 0 <= results["accuracy_mean"] <= 1
+
+
+@pytest.mark.slow
+def test_pooling_mean_learns_and_keeps_its_results_apart(tmp_path, micro):
+    train = write_rows(tmp_path / "pooled.csv", river_rows(600, 0))
+    test = write_rows(tmp_path / "pooled_test.csv", river_rows(300, 1))
+    results = finetune.main([micro, "--task", train, "--eval-file", test, "--seeds", "1", *LEARN, "--pooling", "mean"])
+    assert results["recipe"]["pooling"] == "mean" and results["seeds"][0]["accuracy"] > 0.9
+    assert load(os.path.join(micro, "finetune", "pooled_mean.json"))["seeds"] == results["seeds"]  # not pooled.json
+
+
+@pytest.mark.slow
+def test_the_bag_of_words_on_polarity_is_the_reference_pretraining_must_beat():
+    """The recipe's number on the shipped split (ANCHORS.md: 0.750-0.758 by hand with scikit-learn)."""
+    task = finetune.read_task(finetune.parse_args(["unused", "--task", "polarity"]))
+    reference = finetune.bag_of_words(task, finetune.parse_args(["unused", "--task", "polarity"]))
+    assert 0.750 <= reference["accuracy"] <= 0.765 and "macro_f1" not in reference, reference
 
 
 @pytest.mark.slow
@@ -405,21 +456,23 @@ def test_every_checkpoint_is_scored_to_json_tensorboard_and_png_and_one_uses_its
     captured = capsys.readouterr()
     assert "has no pooler (an mlm run's): it starts fresh" in captured.err
     assert captured.out.splitlines()[-1].startswith("river.csv: test accuracy ") and \
-        captured.out.splitlines()[-1].endswith(" over 2 seeds (1L-32H-2A, step 4)")
+        " over 2 seeds (1L-32H-2A, step 4); random init: not run" in captured.out.splitlines()[-1]
     saved = load(os.path.join(run_dir, "finetune", "river.json"))
     assert [(e["step"], e["train_seconds"], os.path.basename(e["model"])) for e in saved["checkpoints"]] == \
         [(2, 10.0, "step_000002"), (4, 20.0, "step_000004")]
     assert saved["checkpoints"] == results["checkpoints"] and all(len(e["seeds"]) == 2 for e in saved["checkpoints"])
     lr, _, batch_size, _ = finetune.RECIPES["tiny"]  # hidden 32 is nearest tiny's; the model has 64 positions
-    assert saved["recipe"] == {"lr": lr, "epochs": 1, "batch_size": batch_size, "max_len": 64, "warmup": 0.1,
-                               "weight_decay": 0.01} and saved["size"] == "1L-32H-2A"
+    assert saved["recipe"] == {"lr": lr, "epochs": 1, "batch_size": batch_size, "max_len": 64, "pooling": "cls",
+                               "warmup": 0.1, "weight_decay": 0.01} and saved["size"] == "1L-32H-2A"
     events = EventAccumulator(run_dir)
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("finetune/river/accuracy")]
     assert scalars == [(e["step"], pytest.approx(e["accuracy_mean"])) for e in saved["checkpoints"]]
-    if importlib.util.find_spec("matplotlib"):
-        with open(os.path.join(run_dir, "finetune", "river.png"), "rb") as f:
-            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    flat = [(e.step, e.value) for e in events.Scalars("finetune/river/bag_of_words_accuracy")]  # the line to beat
+    assert flat == [(e["step"], pytest.approx(saved["bag_of_words_accuracy"])) for e in saved["checkpoints"]]
+    required("matplotlib")  # requirements-dev.txt's: the PNG is checked wherever the suite runs
+    with open(os.path.join(run_dir, "finetune", "river.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
     # one checkpoint: its own weights (not the latest's); the run's out dir alone: the latest
     step2 = os.path.join(run_dir, "checkpoints", "step_000002")

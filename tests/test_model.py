@@ -191,6 +191,31 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     assert counter.frame_count == 1
 
 
+def test_mean_pooling_is_the_mean_of_the_stock_last_layer_over_the_real_tokens():
+    """classify(..., pooling="mean") reads the mean of BertModel's last hidden states over each row's real tokens
+    (padding left out), then the classifier's dropout and linear layer: the same logits and gradients as that
+    computed from the stock forward, on padded rows."""
+    from transformers import BertConfig, BertForSequenceClassification
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=32, num_labels=3, attn_implementation="eager")
+    classifier = BertForSequenceClassification(config).eval()
+    lengths = torch.tensor([12, 5, 9, 2])
+    attention_mask = (torch.arange(12)[None] < lengths[:, None]).long()
+    input_ids = torch.randint(5, 100, (4, 12)) * attention_mask
+    hidden = classifier.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    stock = classifier.classifier((hidden * attention_mask[..., None]).sum(1) / lengths[:, None])
+    stock.square().sum().backward()
+    stock_grads = {n: p.grad.clone() for n, p in classifier.named_parameters() if p.grad is not None}
+    classifier.zero_grad()
+    ours = M.classify(classifier, input_ids, torch.zeros_like(input_ids), attention_mask, "mean")
+    ours.square().sum().backward()
+    torch.testing.assert_close(ours, stock, atol=1e-5, rtol=1e-5)
+    assert set(stock_grads) == {n for n, p in classifier.named_parameters() if p.grad is not None}  # no pooler
+    for name, grad in stock_grads.items():
+        torch.testing.assert_close(classifier.get_parameter(name).grad, grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_classify_gives_the_stock_classifier_logits_and_gradients_on_padded_rows():
     """model.classify (real tokens only, the last layer at [CLS]) is BertForSequenceClassification's forward: the
     same logits and the same gradients, in fp32, for rows of different lengths and for rows without padding."""
