@@ -26,7 +26,9 @@ MODEL: a run's out dir (its latest checkpoint; --every-checkpoint: each one, in 
 The protocol is GLUE's: BertForSequenceClassification on the weights, AdamW, linear warmup and decay to 0, one
 fixed recipe per model size (listed with the recipe's flags, which override it). The model after the recipe's last
 epoch is scored on test: no checkpoint is picked on dev (dev accuracy is reported, for tuning a recipe without
-looking at test). Results: <out dir>/finetune/<task>*.json (see --out), and for a run TensorBoard scalars.
+looking at test). Beside the score stand what it is worth: MODEL's random-init floor (once --random-init has run
+for it) and the same split's bag of words (TF-IDF, a linear SVM; needs scikit-learn). Results: <out
+dir>/finetune/<task>*.json (see --out), and for a run TensorBoard scalars.
 
 Top to bottom: the recipes and flags, the tasks' readers, the model's loading, training and evaluation, then
 main() and its results.
@@ -610,7 +612,7 @@ def finetune(source, data, labels, recipe, seed, device, label):
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * lr_factor(plan, step)
         batch = batch_of(data.train, rows, data.pad_id, device)
-        # model.py's forward: the real tokens only, the last layer at [CLS] only (BENCHMARKS.md section 19)
+        # model.py's forward: the real tokens only, the last layer only where the pooling reads (BENCHMARKS.md 19)
         logits = classify(model, batch["input_ids"], batch["token_type_ids"], batch["attention_mask"], recipe.pooling)
         loss = torch.nn.functional.cross_entropy(logits, batch["labels"])
         loss.backward()
@@ -652,15 +654,17 @@ def score(source, labels, data, recipe, seeds, device):
 
 # ----------------------------------------------------------------------------- what the score is worth
 
-BAG_OF_WORDS = 1  # the recipe's version, in its cache key: a change below computes every task's again
+BAG_OF_WORDS = 2  # the recipe's version, in its cache key: a change below computes every task's again
 BAG_OF_WORDS_C = (0.1, 0.3, 1.0, 3.0, 10.0)
+BAG_OF_WORDS_CHOOSE = 20_000  # C is chosen on fits to at most this many examples (MNLI's 393k: minutes each)
 
 
 def bag_of_words(task, args):
-    """The same split's bag-of-words score, the reference pretraining has to beat (ANCHORS.md: polarity 0.750-0.758,
-    r8 0.962-0.977): TF-IDF of words and word pairs (sublinear tf), a linear SVM whose C is chosen on dev (on a
-    fixed 10% of train where the task has none), refit on train. Seconds; cached by the examples' hash. None
-    without scikit-learn (a note says how to get it)."""
+    """The same split's bag-of-words score, the reference pretraining has to beat (by hand with scikit-learn, issue
+    50: polarity 0.750-0.758, r8 0.962-0.977): TF-IDF of words and word pairs (sublinear tf), a linear SVM whose C
+    is chosen on dev (on a fixed 10% of train where the task has none; C 1 where that leaves nothing to choose on),
+    refit on train. Seconds; cached by the examples' hash. None, with a note, without scikit-learn or where it
+    cannot fit (e.g. no word in any text): a reference never stops the score."""
     try:
         import sklearn
         from sklearn.feature_extraction.text import TfidfVectorizer
@@ -678,21 +682,29 @@ def bag_of_words(task, args):
         with open(path) as f:
             return json.load(f)
     choose_on = dev or [e for e in train if stable_fraction(e[0]) < 0.1]
-    fit_on = train if dev else [e for e in train if stable_fraction(e[0]) >= 0.1]
+    fit_on = limited(train if dev else [e for e in train if stable_fraction(e[0]) >= 0.1], BAG_OF_WORDS_CHOOSE,
+                     f"{name}-bag-of-words")
+
+    def text(e):
+        return e[0] if e[1] is None else f"{e[0]} | {e[1]}"
 
     def fit(examples, c):
         vectorizer = TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True)
-        features = vectorizer.fit_transform(e[0] if e[1] is None else f"{e[0]} | {e[1]}" for e in examples)
-        svm = LinearSVC(C=c).fit(features, [e[2] for e in examples])
-        return lambda rows: svm.predict(vectorizer.transform(e[0] if e[1] is None else f"{e[0]} | {e[1]}"
-                                                             for e in rows))
+        svm = LinearSVC(C=c).fit(vectorizer.fit_transform(map(text, examples)), [e[2] for e in examples])
+        return lambda rows: svm.predict(vectorizer.transform(map(text, rows)))
 
-    def accuracy(predict, rows):
-        return sum(p == e[2] for p, e in zip(predict(rows), rows, strict=True)) / len(rows)
-    best = max(BAG_OF_WORDS_C, key=lambda c: accuracy(fit(fit_on, c), choose_on))  # the first of equals
-    predicted = fit(train, best)(test)
+    def accuracy(predicted, rows):
+        return sum(p == e[2] for p, e in zip(predicted, rows, strict=True)) / len(rows)
+    try:
+        best = 1.0
+        if choose_on and len({e[2] for e in fit_on}) > 1:  # the first of equals
+            best = max(BAG_OF_WORDS_C, key=lambda c: accuracy(fit(fit_on, c)(choose_on), choose_on))
+        predicted = fit(train, best)(test)
+    except ValueError as e:  # scikit-learn's word for "cannot fit these" (an empty vocabulary, one class)
+        warn(f"note: no bag-of-words reference: scikit-learn cannot fit this task ({first_line(e)})")
+        return None
     class_id = {label: i for i, label in enumerate(task.labels)}
-    result = {"accuracy": sum(p == e[2] for p, e in zip(predicted, test, strict=True)) / len(test), "C": best,
+    result = {"accuracy": accuracy(predicted, test), "C": best,
               "model": "TF-IDF of words and word pairs (sublinear tf), linear SVM, C chosen on "
                        f"{'dev' if dev else 'a fixed 10% of train'}; scikit-learn {sklearn.__version__}"}
     if len(task.labels) > 2:
@@ -704,14 +716,15 @@ def bag_of_words(task, args):
     return result
 
 
-def floor_of(args, name, folder, run_dir, sizes):
-    """The random-init floor that --random-init wrote for this MODEL and task (at its default --out) on the same
-    examples; None if it has not run."""
+def floor_of(args, name, folder, run_dir, results):
+    """The random-init floor that --random-init wrote for this MODEL and task (at its default --out) with the same
+    task, examples, shape, recipe and tokenizer as results; None if it has not run (or ran otherwise: an earlier
+    run's out dir, other flags)."""
     path = default_out(argparse.Namespace(**{**vars(args), "random_init": True}), name, folder, run_dir)
     with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
         with open(path) as f:
             floor = json.load(f)
-        if floor["examples"] == sizes:
+        if all(floor[k] == results[k] for k in ("task", "examples", "size", "recipe", "tokenizer")):
             return {"accuracy_mean": floor["accuracy_mean"], "accuracy_std": floor["accuracy_std"],
                     "seeds": len(floor["seeds"]), "path": path}
     return None
@@ -752,11 +765,11 @@ def main(argv=None):
     out = args.out or default_out(args, name, folders[0], run_dir)
     # what the score is worth: the same split's bag of words, and this MODEL's random-init floor if it has run
     reference = bag_of_words(task, args)
-    floor = None if args.random_init else floor_of(args, name, folders[0], run_dir, sizes)
     results = {"task": args.task, "test_from": task.test_from, "labels": task.labels, "examples": sizes,
                "size": size, "recipe": {**asdict(recipe), "warmup": WARMUP, "weight_decay": WEIGHT_DECAY},
                "random_init": args.random_init, "tokenizer": os.path.abspath(tokenizer_dir), "device": str(device),
-               "threads": torch.get_num_threads(), "floor": floor}
+               "threads": torch.get_num_threads()}
+    results["floor"] = None if args.random_init else floor_of(args, name, folders[0], run_dir, results)
     if reference is not None:
         results.update({f"bag_of_words_{k}": v for k, v in reference.items() if k in ("accuracy", "macro_f1")})
         results["bag_of_words"] = reference
@@ -833,7 +846,7 @@ def summary_line(task, entry, size, results):
     if floor:
         line += f"; random init {floor['accuracy_mean']:.3f} ± {floor['accuracy_std']:.3f}"
     elif not random_init:
-        line += "; random init: not run (the same command with --random-init)"
+        line += "; random init: not run (this command with --random-init, without --out and --every-checkpoint)"
     if "bag_of_words_accuracy" in results:
         line += f"; bag of words {results['bag_of_words_accuracy']:.3f}"
         if "bag_of_words_macro_f1" in results:

@@ -114,6 +114,8 @@ def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls
     at each row's [CLS], through the pooler: the same math as classifier(...).logits (tests: 1e-5). "mean": the
     classifier reads the mean of the last layer over each row's real tokens (the pooler unused): an mlm run
     trains neither [CLS] nor the pooler, and every token's state is what its loss trained."""
+    if pooling not in ("cls", "mean"):
+        raise ValueError(f"pooling must be cls or mean, not {pooling!r}")
     lengths = attention_mask.sum(1)
     cls_pos = lengths.cumsum(0) - lengths  # each row's [CLS] among the real tokens
     real_pos = None
@@ -127,7 +129,8 @@ def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls
         pooled = classifier.bert.pooler(x[:, None])  # the pooler reads position 0
     else:
         row = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
-        pooled = x.new_zeros(len(lengths), x.shape[1]).index_add_(0, row, x) / lengths[:, None].to(x.dtype)
+        sums = x.new_zeros(len(lengths), x.shape[1], dtype=torch.float32).index_add_(0, row, x.float())
+        pooled = (sums / lengths.clamp(min=1)[:, None]).to(x.dtype)  # summed in fp32 under autocast too
     return classifier.classifier(classifier.dropout(pooled))
 
 

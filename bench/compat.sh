@@ -162,12 +162,13 @@ elif cmd == "middle":  # the checkpoint nearest the middle of a run's first epoc
     import re
     out, log = args
     steps = summary(out)["steps"]
-    ckpts = sorted(int(d[5:]) for d in os.listdir(os.path.join(out, "checkpoints")) if d.startswith("step_"))
+    import checkpoints
+    ckpts = sorted(checkpoints.step_folders(os.path.join(out, "checkpoints")))
     ended = re.search(r"epoch 0 ended at step (\d+)", open(log).read())
     first = [c for c in ckpts if ended and 0 < c < int(ended.group(1))]
     inner = first or [c for c in ckpts if 0 < c < steps]
     check(inner, f"no checkpoint inside the run: {ckpts}")
-    print(f"step_{min(inner, key=lambda c: abs(c - steps / 2)):06d}")
+    print(checkpoints.step_name(min(inner, key=lambda c: abs(c - steps / 2))))
 
 elif cmd == "equal":  # two finished runs: the same final weights, bit for bit
     import torch

@@ -25,7 +25,6 @@ import csv
 import json
 import math
 import os
-import re
 import shlex
 import statistics
 import sys
@@ -207,8 +206,8 @@ def table(args):
                 diff, se, verdict = f"{d:+.4f}", f"{e:.4f}", f"{'yes' if d > 2 * e else 'no'} ({d / e:.1f} SE)"
             print(f"| {task} | {kind} | {stats(acc)[0]:.4f} ± {stats(acc)[1]:.4f} | {per_seed(acc)} | {f1_text} | "
                   f"{diff} | {se} | {verdict} |")
-    curve = sorted((load(n) for n in os.listdir(out) if re.fullmatch(r"polarity_step_\d+\.json", n)),
-                   key=lambda e: e["step"])
+    steps = {checkpoints.step_of(n.removeprefix("polarity_").removesuffix(".json")): n for n in os.listdir(out)}
+    curve = sorted((load(n) for step, n in steps.items() if step is not None), key=lambda e: e["step"])
     print("\n| step | pretraining seconds (wall) | polarity accuracy (mean ± sd) | per seed | fine-tune s/seed |")
     print("| --- | --- | --- | --- | --- |")
     for e in curve:

@@ -44,8 +44,9 @@ WORKER = """
 import sys, torch
 sys.path.insert(0, {root!r})
 import finetune
+finetune.bag_of_words = lambda task, args: None  # the reference's fits are not the forward measured here
 if {side!r} == "stock":
-    finetune.classify = lambda m, input_ids, token_type_ids, attention_mask: m(
+    finetune.classify = lambda m, input_ids, token_type_ids, attention_mask, pooling="cls": m(
         input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask).logits
 finetune.main({argv!r})
 """

@@ -10,7 +10,7 @@ Learning verified, not assumed (BENCHMARKS.md section 11, issues 11 and 29): pre
 Both sides train the same model (pretrain_ddp.model_from, the same torch seed before it, so the same initial
 weights for the same seed), on the same data (builtin's train split), with the same optimizer (torch fused AdamW,
 betas 0.9/0.98, eps 1e-6, decay --weight-decay on params with ndim >= 2 except LayerNorm), the same LR plan
-(pretrain_ddp.lr_factor: warmup (pos+1)/warmup_steps, linear decay to 0 at --steps; given to the Trainer as a
+(estimate_steps.lr_factor: warmup (pos+1)/warmup_steps, linear decay to 0 at --steps; given to the Trainer as a
 LambdaLR, since its built-in linear schedule starts at 0), batch, max_seq_len, dropout, clipping 1.0, steps.
 
 Ours: `pretrain_ddp.py --objective mlm --tokenizer T --max-steps N --save-every E --keep-last 1000`, one process;

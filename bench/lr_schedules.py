@@ -1,8 +1,8 @@
 """
-The LR schedules of pretrain_ddp.py drawn from its own plan functions (plan_of, lr_factor, replan): linear, cosine and
-wsd over one plan; a wsd plan extended by a resume in its stable phase; a decay branched off a stable checkpoint
-with --init-from CKPT --schedule wsd --warmup 0 --decay 1. Writes bench/lr_schedules.png (needs matplotlib), the figure
-of BENCHMARKS.md section 17.
+The LR schedules of pretrain_ddp.py drawn from its own plan functions (plan_of, lr_factor in estimate_steps.py,
+replan): linear, cosine and wsd over one plan; a wsd plan extended by a resume in its stable phase; a decay branched
+off a stable checkpoint with --init-from CKPT --schedule wsd --warmup 0 --decay 1. Writes bench/lr_schedules.png
+(needs matplotlib), the figure of BENCHMARKS.md section 17.
 
     python bench/lr_schedules.py
     python bench/lr_schedules.py --out /tmp/lr_schedules.png     # a smoke run

@@ -28,13 +28,37 @@ def copied(row, folder):
     return str(folder)
 
 
+# Run first in every copied process: where each project module it imports comes from, said as it is imported.
+WHERE = """
+import importlib.util, sys
+class Where:
+    def find_spec(self, name, path=None, target=None):
+        if name not in {names!r}:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        print("imported", name, "from", spec and spec.origin, file=sys.stderr, flush=True)
+        return spec
+sys.meta_path.insert(0, Where())
+"""
+
+
 def run_in(folder, *args, timeout=300):
-    """python ARGS in folder, which is all of the project it can import."""
-    extra = {k: v for k, v in env().items() if k != "PYTHONPATH"}
-    done = subprocess.run([sys.executable, *args], cwd=folder, env=extra, capture_output=True, text=True,
+    """python ARGS (a script and its flags, or -c CODE) in folder, which is all of the project it can import: no
+    PYTHONPATH, no user site-packages (-s), and every project module it imports must come from the folder."""
+    names = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
+    code = args[1] if args[0] == "-c" else \
+        f"import runpy, sys\nsys.argv = {list(args)!r}\nrunpy.run_path({args[0]!r}, run_name='__main__')"
+    done = subprocess.run([sys.executable, "-s", "-c", WHERE.format(names=names) + code], cwd=folder,
+                          env={k: v for k, v in env().items() if k != "PYTHONPATH"}, capture_output=True, text=True,
                           timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    imported = re.findall(r"^imported (\w+) from (.*)$", done.stderr, re.M)
+    assert all(os.path.dirname(origin) == str(folder) for _, origin in imported), imported
+    return done.stdout, {name for name, _ in imported}
 
 
 def test_the_readme_s_table_is_this_one():
@@ -66,7 +90,9 @@ with torch.no_grad():
 print(logits.shape[0], (logits - stock.prediction_logits.flatten(0, 1)[masked_pos]).abs().max().item(),
       (nsp - stock.seq_relationship_logits).abs().max().item())
 """
-    rows, mlm_off, nsp_off = run_in(folder, "-c", code).split()
+    out, imported = run_in(folder, "-c", code)
+    rows, mlm_off, nsp_off = out.split()
+    assert imported == {"model"}
     assert int(rows) == 3 and float(mlm_off) < 1e-4 and float(nsp_off) < 1e-4
 
 
@@ -79,17 +105,21 @@ stream = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), ds.Str
 for batch in itertools.islice(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1), 3):
     print(tuple(batch["input_ids"].shape), int((batch["labels"] != -100).sum()))
 """
-    batches = [line.split(") ") for line in run_in(folder, "-c", code).splitlines()]
+    out, imported = run_in(folder, "-c", code)
+    batches = [line.split(") ") for line in out.splitlines()]
+    assert imported == {"data_stream"}
     assert len(batches) == 3 and all(shape.endswith(", 32") and int(masked) > 0 for shape, masked in batches)
-    shown = run_in(folder, "data_stream.py", "--corpus", corpus, "--tokenizer", tok_dir, "--show", "2")
+    shown, _ = run_in(folder, "data_stream.py", "--corpus", corpus, "--tokenizer", tok_dir, "--show", "2")
     assert shown.count("--- sample") == 2 and "[MASK]" in shown
 
 
 @pytest.mark.slow  # a process of its own: the estimator's imports
 def test_the_estimator_runs_from_its_two_files(tmp_path, corpus, tok_dir):
     folder = copied("the estimator", tmp_path / "estimator")
-    estimate = json.loads(run_in(folder, "estimate_steps.py", "--corpus", corpus, "--tokenizer", tok_dir,
-                                 "--max-seq-len", "32", "--batch-size", "4", "--json"))
+    out, imported = run_in(folder, "estimate_steps.py", "--corpus", corpus, "--tokenizer", tok_dir, "--max-seq-len",
+                           "32", "--batch-size", "4", "--json")
+    estimate = json.loads(out)
+    assert imported == {"data_stream"}
     assert estimate["mode"] == "exact" and estimate["total_steps"] > 10 and estimate["documents"] == 120
 
 
@@ -97,8 +127,11 @@ def test_the_estimator_runs_from_its_two_files(tmp_path, corpus, tok_dir):
 def test_the_trainer_and_finetune_run_from_their_files(tmp_path, tok_dir):
     corpus = write_corpus(tmp_path / "corpus.txt", 60)
     trainer = copied("the trainer", tmp_path / "trainer")
-    run_in(trainer, "pretrain_ddp.py", "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus", "none",
-           "--out-dir", "run", *FAST, "--max-steps", "3")
+    _, imported = run_in(trainer, "pretrain_ddp.py", "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus",
+                         "none", "--out-dir", "run", *FAST, "--max-steps", "3",
+                         "--num-workers", "1")  # workers.py's forkserver too
+    # every file of the row but the script itself and builtin_corpus.py (only --corpus builtin reads it)
+    assert imported == {f.removesuffix(".py") for f in ROWS["the trainer"]} - {"pretrain_ddp", "builtin_corpus"}
     run = os.path.join(trainer, "run")
     with open(os.path.join(run, "summary.json")) as f:
         assert json.load(f)["steps"] == 3
@@ -107,7 +140,9 @@ def test_the_trainer_and_finetune_run_from_their_files(tmp_path, tok_dir):
     with open(os.path.join(tune, "task.csv"), "w") as f:
         f.write("label,text\n" + "".join(f"yes,river stone {i}\n" if i % 2 else f"no,paper engine {i}\n"
                                           for i in range(80)))
-    run_in(tune, "finetune.py", run, "--task", "task.csv", "--seeds", "1", "--epochs", "1", "--out", "scores.json")
+    _, imported = run_in(tune, "finetune.py", run, "--task", "task.csv", "--seeds", "1", "--epochs", "1", "--out",
+                         "scores.json")
+    assert imported == {"model", "checkpoints", "data_stream", "estimate_steps"}  # not pretrain_ddp
     with open(os.path.join(tune, "scores.json")) as f:
         scores = json.load(f)
     assert 0.0 <= scores["accuracy_mean"] <= 1.0 and len(scores["seeds"]) == 1

@@ -33,7 +33,7 @@ def test_workers_take_our_modules_not_the_working_directory_s(corpus, tok_dir, t
     """The forkserver finds modules from the working directory first: a data_stream.py or model.py there (a
     user's project has one) must not become the workers' (it did: the stream's module was preloaded). The
     workers unpickle the collate function, model.sparse_targets, so they import model.py too."""
-    for name in ("data_stream", "model"):
+    for name in ("data_stream", "model", "workers"):
         (tmp_path / f"{name}.py").write_text(f"raise SystemExit('the working directory {name}.py')\n")
     code = ("import sys, torch\n"
             f"sys.path.insert(0, {ROOT!r})\n"
