@@ -35,8 +35,6 @@ sys.path.insert(0, HERE)
 import common  # noqa: E402
 import downstream  # noqa: E402
 
-TASKS = ("polarity", "r8")
-POOLINGS = ("cls", "mean")
 BASE = ["--objective", "mlm", "--batch-size", "32", "--dropout", "0", "--epochs", "100", "--num-workers", "0",
         "--eval-corpus", "none", "--log-every", "200", "--log-to", "stdout"]
 
@@ -50,6 +48,8 @@ def parse_args():
     p.add_argument("--budget", default="60m", help="pretrain_ddp.py --budget of every arm")
     p.add_argument("--parallel", type=int, default=2, help="processes at once (pretraining and fine-tuning)")
     p.add_argument("--seeds", type=int, default=3, help="fine-tuning seeds")
+    p.add_argument("--tasks", default="polarity,r8", help="the tasks every arm is fine-tuned on")
+    p.add_argument("--poolings", default="cls,mean", help="finetune.py --pooling values, each fine-tuned")
     p.add_argument("--finetune-flags", default="", help="more finetune.py flags (a smoke run: --max-train 64 ...)")
     return p.parse_args()
 
@@ -98,8 +98,8 @@ def run(args):
     json.dump(times, open(times_path, "w"), indent=1)
     jobs = []
     for name in arms_of(args):
-        for task in TASKS:
-            for pooling in POOLINGS:
+        for task in args.tasks.split(","):
+            for pooling in args.poolings.split(","):
                 for floor in (True, False):  # the floor first: the model's summary line shows it
                     out = scores(args, name, task, pooling, floor)
                     if os.path.exists(out):
@@ -133,10 +133,10 @@ def table(args):
     print("| task | arm | pooling | pretraining: steps, CPU s | accuracy (mean ± sd) | macro-F1 | floor (mean ± sd) "
           "| - floor | bag of words | - bag of words |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for task in TASKS:
+    for task in args.tasks.split(","):
         for name in arms_of(args):
             summary = json.load(open(os.path.join(args.dir, name, "summary.json")))
-            for pooling in POOLINGS:
+            for pooling in args.poolings.split(","):
                 paths = scores(args, name, task, pooling, False), scores(args, name, task, pooling, True)
                 if not all(map(os.path.exists, paths)):
                     continue
