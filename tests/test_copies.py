@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import FAST, ROOT, env, write_corpus
+from conftest import FAST, ROOT, env, make_stream, write_corpus
 
 ROWS = {  # the README's rows, as the test reads them (test_the_readme_s_table_is_this_one)
     "the model": ["model.py"],
@@ -96,31 +96,31 @@ print(logits.shape[0], (logits - stock.prediction_logits.flatten(0, 1)[masked_po
     assert int(rows) == 3 and float(mlm_off) < 1e-4 and float(nsp_off) < 1e-4
 
 
+@pytest.mark.slow  # a process of its own
 def test_data_stream_py_alone_streams_a_text_corpus_with_a_tokenizer_folder(tmp_path, corpus, tok_dir):
+    """Its CLI, as a process (test_data_stream.py's bad-corpus process beside it): --show N prints N samples."""
     folder = copied("the data stream", tmp_path / "stream")
-    code = f"""
-import itertools, torch, data_stream as ds
-stream = ds.BertPretrainStream({corpus!r}, ds.get_tokenizer({tok_dir!r}), ds.StreamSettings(max_seq_len=32,
-                                                                                                batch_size=4))
-for batch in itertools.islice(torch.utils.data.DataLoader(stream, batch_size=None, num_workers=1), 3):
-    print(tuple(batch["input_ids"].shape), int((batch["labels"] != -100).sum()))
-"""
-    out, imported = run_in(folder, "-c", code)
-    batches = [line.split(") ") for line in out.splitlines()]
-    assert imported == {"data_stream"}
-    assert len(batches) == 3 and all(shape.endswith(", 32") and int(masked) > 0 for shape, masked in batches)
-    shown, _ = run_in(folder, "data_stream.py", "--corpus", corpus, "--tokenizer", tok_dir, "--show", "2")
-    assert shown.count("--- sample") == 2 and "[MASK]" in shown
+    shown, imported = run_in(folder, "data_stream.py", "--corpus", corpus, "--tokenizer", tok_dir, "--show", "3")
+    assert shown.count("--- sample") == 3 and "[MASK]" in shown and imported == set()  # it is __main__
 
 
 @pytest.mark.slow  # a process of its own: the estimator's imports
-def test_the_estimator_runs_from_its_two_files(tmp_path, corpus, tok_dir):
+def test_the_estimator_runs_from_its_two_files_and_its_json_is_the_estimate(tmp_path, corpus, tokenizer, tok_dir):
+    """Its CLI, as a process (test_estimate_steps.py: the table and bad input): --json is estimate()'s answer."""
+    import estimate_steps
     folder = copied("the estimator", tmp_path / "estimator")
     out, imported = run_in(folder, "estimate_steps.py", "--corpus", corpus, "--tokenizer", tok_dir, "--max-seq-len",
-                           "32", "--batch-size", "4", "--json")
-    estimate = json.loads(out)
+                           "32", "--world-size", "2", "--num-workers", "2", "--epochs", "2", "--warmup", "0.1",
+                           "--batch-size", "4", "--accum-steps", "2", "--json")
     assert imported == {"data_stream"}
-    assert estimate["mode"] == "exact" and estimate["total_steps"] > 10 and estimate["documents"] == 120
+    r = json.loads(out)
+    want = estimate_steps.estimate(make_stream(corpus, tokenizer), 2, 2, 4, 2, 2, warmup=0.1)
+    assert r["mode"] == "exact" and r["mode_reason"].startswith("auto:")
+    for key in ("samples_per_epoch", "steps_per_epoch", "total_steps", "warmup_steps", "documents", "sentences",
+                "tokens", "samples_per_rank_min", "samples_per_rank_max", "micro_batches_per_rank_min",
+                "micro_batches_per_rank_max", "unused_samples", "per_epoch", "total_steps_ci"):
+        assert r[key] == want[key], key
+    assert r["total_steps"] > 10 and r["warmup_steps"] == max(1, round(0.1 * r["total_steps"]))
 
 
 @pytest.mark.slow  # two processes: a trainer and a fine-tuning
@@ -128,8 +128,7 @@ def test_the_trainer_and_finetune_run_from_their_files(tmp_path, tok_dir):
     corpus = write_corpus(tmp_path / "corpus.txt", 60)
     trainer = copied("the trainer", tmp_path / "trainer")
     _, imported = run_in(trainer, "pretrain_ddp.py", "--corpus", corpus, "--tokenizer", tok_dir, "--eval-corpus",
-                         "none", "--out-dir", "run", *FAST, "--max-steps", "3",
-                         "--num-workers", "1")  # workers.py's forkserver too
+                         "none", "--out-dir", "run", *FAST, "--max-steps", "3")
     # every file of the row but the script itself and builtin_corpus.py (only --corpus builtin reads it)
     assert imported == {f.removesuffix(".py") for f in ROWS["the trainer"]} - {"pretrain_ddp", "builtin_corpus"}
     run = os.path.join(trainer, "run")

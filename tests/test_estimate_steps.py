@@ -1,5 +1,4 @@
 """estimate_steps.py against the real stream: its exact counts must equal what DataLoaders yield."""
-import json
 import os
 
 import pytest
@@ -65,22 +64,11 @@ def cli(*args):
 
 
 @pytest.mark.slow  # subprocesses, or seconds of work
-def test_cli_json_is_the_estimate_and_the_table_notes_zero_steps(corpus, tokenizer, tok_dir):
+def test_cli_table_notes_zero_steps(corpus, tok_dir):
+    """As a process (--json, from a copy of the estimator's two files: test_copies.py)."""
     common = ["--corpus", corpus, "--tokenizer", tok_dir, "--max-seq-len", "32", "--world-size", "2",
               "--num-workers", "2", "--epochs", "2", "--warmup", "0.1"]
-    (code, out, err), as_table = wait_for([cli(*common, "--batch-size", "4", "--accum-steps", "2", "--json"),
-                                           cli(*common, "--batch-size", "100000", "--accum-steps", "3", "--mode",
-                                               "exact")], 300)
-    assert code == 0, err
-    r = json.loads(out)
-    want = es.estimate(make_stream(corpus, tokenizer), 2, 2, 4, 2, 2, warmup=0.1)
-    assert r["mode"] == "exact" and r["mode_reason"].startswith("auto:")
-    for key in ("samples_per_epoch", "steps_per_epoch", "total_steps", "warmup_steps", "documents", "sentences",
-                "tokens", "samples_per_rank_min", "samples_per_rank_max", "micro_batches_per_rank_min",
-                "micro_batches_per_rank_max", "unused_samples", "per_epoch", "total_steps_ci"):
-        assert r[key] == want[key], key
-    assert r["total_steps"] > 10 and r["warmup_steps"] == max(1, round(0.1 * r["total_steps"]))
-    code, out, err = as_table
+    code, out, err = wait_for([cli(*common, "--batch-size", "100000", "--accum-steps", "3", "--mode", "exact")], 300)[0]
     assert code == 0, err
     rows = {line[:32].strip(): line[32:].strip() for line in out.splitlines()}  # label column, then value
     assert rows["total steps"] == "0" and rows["mode"].startswith("exact (--mode exact")
