@@ -32,7 +32,6 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-import common  # noqa: E402
 import downstream  # noqa: E402
 
 BASE = ["--objective", "mlm", "--batch-size", "32", "--dropout", "0", "--epochs", "100", "--num-workers", "0",
@@ -62,15 +61,17 @@ def arms_of(args):
 
 
 def timed(name, command, log, times):
-    """Run command (OMP_NUM_THREADS=1) with its output into log; its wall and CPU seconds into times[name]."""
+    """Run command (OMP_NUM_THREADS=1) with its output into log; its wall and CPU seconds into times[name]. The CPU
+    seconds are this child's own (wait4), not RUSAGE_CHILDREN's, which also counts the arm beside it."""
     print(f"# {name}: OMP_NUM_THREADS=1 {shlex.join(command)}", flush=True)
     start = time.perf_counter()
     with open(log, "w") as out:
-        done, cpu = common.run_counting_cpu(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                                            stdout=out, stderr=subprocess.STDOUT)
-    if done.returncode:
-        sys.exit(f"{name} failed ({done.returncode}): see {log}")
-    times[name] = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(cpu, 1)}
+        child = subprocess.Popen(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=out,
+                                 stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(child.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        sys.exit(f"{name} failed ({os.waitstatus_to_exitcode(status)}): see {log}")
+    times[name] = {"wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(usage.ru_utime + usage.ru_stime, 1)}
 
 
 def scores(args, arm, task, pooling, floor):
