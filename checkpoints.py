@@ -74,7 +74,7 @@ def lock_out_dir(out_dir):
 
 
 # ----------------------------------------------------------------------------- the folders' names
-# Named here only: the trainer, finetune.py, the tests and bench/ build and parse them with these two.
+# Named here only: the trainer, finetune.py, the tests and bench/ build and parse them with these three.
 
 def step_name(step):
     """The name of the checkpoint folder of a step: step_000400."""
@@ -90,7 +90,7 @@ def step_of(name):
 def step_folders(root):
     """{step: folder name} of the checkpoint folders in root (none if root is missing)."""
     names = os.listdir(root) if os.path.isdir(root) else []
-    return {step_of(d): d for d in names if step_of(d) is not None}
+    return {step: d for d in names if (step := step_of(d)) is not None}
 
 
 # ----------------------------------------------------------------------------- writing a checkpoint

@@ -1197,7 +1197,7 @@ class StreamSettings:
     mask_prob: float = 0.15
     whole_word_mask: bool = False
     short_seq_prob: float = 0.1    # nsp: a document's samples aim at a shorter random length
-    pack_pairs: bool = False       # nsp: pairs share rows (collate); mlm packs anyway. The flag --packing is on
+    pack_pairs: bool = False       # nsp: pairs share rows (collate; --packing, on by default); mlm packs anyway
     seed: int = 0                  # document order, pairs and masking
     shuffle: bool = True           # False: documents in corpus order, one open at a time (eval)
     shuffle_docs: int = SHUFFLE_DOCS
