@@ -6,12 +6,14 @@ complete checkpoint), a load is checked against the checksums and never runs pic
 timeline. finetune.py reads checkpoints through it too.
 
     <out>/.lock                                   held by the job's rank 0 while it lives
-    <out>/checkpoints/step_000400/trainer.pt      weights (a Hugging Face BertForPreTraining's), optimizer, loss scale
+    <out>/checkpoints/step_000400/trainer.pt      weights (a Hugging Face BertForPreTraining's, or model.ElectraPair's),
+                                                  optimizer, loss scale
     <out>/checkpoints/step_000400/ranks.pt        every rank's RNG states and data cursor
     <out>/checkpoints/step_000400/manifest.json   meta (progress, LR plan, config), the files' sha256s; written last
     <out>/checkpoints/latest                      the name of the newest checkpoint of the run's timeline
     <out>/checkpoints/abandoned/                  checkpoints off the timeline (a rollback, a failed one), kept
     <out>/hf/                                     config.json, model.safetensors and the tokenizer
+    <out>/hf/generator/                           electra: the generator, the same files
 
 A mistake the user must fix is raised as CheckpointError, in one line.
 """
@@ -287,12 +289,26 @@ def init_source(path):
                 model_type = json.load(f).get("model_type")
         except (OSError, ValueError, AttributeError) as e:
             fail(f"--init-from {path}: its config.json cannot be read ({e})")
-        if model_type != "bert":
-            fail(f"--init-from {path} holds a {model_type} model; this script trains BERT (model_type bert)")
+        if model_type not in ("bert", "electra"):
+            fail(f"--init-from {path} holds a {model_type} model; this script trains BERT and ELECTRA (model_type "
+                 "bert or electra)")
         has_tokenizer = any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "vocab.txt"))
         return "hf", path, path if has_tokenizer else None
     fail(f"--init-from {path} is not a checkpoint folder, a run's out dir or a Hugging Face BERT folder "
          "(config.json + weights)")
+
+
+def source_is_electra(kind, folder):
+    """Whether --init-from's folder (kind as init_source says) holds an ELECTRA (a checkpoint of an electra run,
+    or an hf folder of model_type electra); None where its files cannot tell (loading them says why)."""
+    try:
+        if kind == "checkpoint":
+            with open(os.path.join(folder, "manifest.json")) as f:
+                return json.load(f)["meta"]["config"]["objective"] == "electra"
+        with open(os.path.join(folder, "config.json")) as f:
+            return json.load(f)["model_type"] == "electra"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_init(kind, folder, objective, seed):
@@ -300,6 +316,10 @@ def load_init(kind, folder, objective, seed):
     from transformers import BertForMaskedLM, BertForPreTraining
     from transformers.utils import logging as hf_logging
     torch.manual_seed(seed)  # fresh heads: the same on every rank
+    if source_is_electra(kind, folder) not in (None, objective == "electra"):
+        source, wanted = ("an ELECTRA", "--objective electra") if objective != "electra" else ("a BERT", "mlm or nsp")
+        fail(f"--init-from {folder} holds {source} model, which --objective {objective} cannot start from: give "
+             f"{wanted}, or --init-from a run of this objective")
     if kind == "checkpoint":
         loaded, problem = read_checkpoint(folder)
         if loaded is None:
@@ -307,6 +327,10 @@ def load_init(kind, folder, objective, seed):
         architecture = loaded["meta"]["config"]["architecture"]
         model = model_from(architecture, objective, 0.0)
         missing, unexpected = model.load_state_dict(loaded["trainer.pt"]["model"], strict=False)
+        if objective == "electra":
+            return model.state_dict(), architecture, []
+    elif objective == "electra":
+        return electra_init(folder)
     else:
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report: the notes below say what matters, in one line
@@ -335,6 +359,41 @@ def load_init(kind, folder, objective, seed):
     return model.state_dict(), architecture, notes
 
 
+def electra_init(folder):
+    """(state_dict, architecture, notes) of an ELECTRA hf folder: the discriminator in it, the generator in its
+    generator/ (a run's export), one model.ElectraPair: the two share the discriminator's embeddings."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+    from transformers.utils import logging as hf_logging
+    if not os.path.isfile(os.path.join(folder, "generator", "config.json")):
+        fail(f"--init-from {folder} has no generator/ beside its discriminator: --objective electra continues "
+             "from a run's hf folder (or checkpoint), which holds both")
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        generator = ElectraForMaskedLM.from_pretrained(os.path.join(folder, "generator"), dtype=torch.float32)
+        discriminator = ElectraForPreTraining.from_pretrained(folder, dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        fail(f"--init-from {folder} cannot be loaded: {str(e).strip().splitlines()[0]}")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    disc, gen = discriminator.config, generator.config
+    if (gen.embedding_size, gen.vocab_size) != (disc.embedding_size, disc.vocab_size):
+        fail(f"--init-from {folder}: its generator's embeddings ({gen.vocab_size} x {gen.embedding_size}) are not "
+             f"its discriminator's ({disc.vocab_size} x {disc.embedding_size}), which the two share here")
+    if gen.hidden_size > disc.hidden_size:
+        fail(f"--init-from {folder}: its generator ({gen.hidden_size} wide) is wider than its discriminator "
+             f"({disc.hidden_size}); ELECTRA trains a generator of 1/4 to 1/2 of the width")
+    keep = set(new_architecture("tiny", 1, 1, 0, 0.25)) | {"hidden_act", "type_vocab_size", "layer_norm_eps",
+                                                            "initializer_range"}
+    architecture = {k: v for k, v in disc.to_dict().items() if k in keep and k != "generator"}
+    architecture["generator"] = {k: getattr(gen, k) for k in ("hidden_size", "num_attention_heads",
+                                                               "intermediate_size", "num_hidden_layers")}
+    pair = model_from(architecture, "electra", 0.0)
+    pair.generator.load_state_dict(generator.state_dict())
+    pair.discriminator.load_state_dict(discriminator.state_dict())  # last: the shared embeddings are its own
+    return pair.state_dict(), architecture, []
+
+
 # ----------------------------------------------------------------------------- the Hugging Face export
 
 def export_hf(hf_model, tokenizer, out_dir):
@@ -345,7 +404,9 @@ def export_hf(hf_model, tokenizer, out_dir):
 
     def write(folder):
         hf_model.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
+        for model_folder in (folder, os.path.join(folder, "generator")):  # electra's generator: its own folder
+            if os.path.isdir(model_folder):
+                tokenizer.save_pretrained(model_folder)
     final = os.path.join(out_dir, "hf")
     return data_stream.try_write(lambda: replace_folder(final, write), f"the Hugging Face export {final}", out_dir,
                                  nbytes(hf_model.state_dict()))

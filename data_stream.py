@@ -1487,8 +1487,10 @@ def add_data_args(parser):
                        help="vocabulary of a trained tokenizer")
     group.add_argument("--tokenizer-sample-mb", type=number(float, 0, low_open=True), default=TOKENIZER_SAMPLE_MB,
                        help="a trained tokenizer sees at most this much text, spread evenly over the corpus")
-    group.add_argument("--objective", default="nsp", choices=["nsp", "mlm"],
-                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style")
+    group.add_argument("--objective", default="nsp", choices=["nsp", "mlm", "electra"],
+                       help="nsp: original BERT sentence pairs + next-sentence labels; mlm: packed, RoBERTa-style; "
+                            "electra: mlm's samples, a small generator fills the masks, the model learns which "
+                            "tokens were replaced (Clark et al. 2020)")
     group.add_argument("--max-seq-len", type=number(int, 3), default=128,
                        help="tokens per sample, [CLS]/[SEP] included (nsp: at least 5)")
     group.add_argument("--short-seq-prob", type=number(float, 0, 1), default=0.1,
@@ -1523,8 +1525,9 @@ def add_data_args(parser):
 
 def settings_from_args(args, seed=None, shuffle=True):
     """The StreamSettings the data flags describe (seed: another than --seed, e.g. the eval set's)."""
-    return StreamSettings(
-        objective=args.objective, max_seq_len=args.max_seq_len, batch_size=args.batch_size, mask_prob=args.mask_prob,
+    return StreamSettings(  # electra reads mlm's samples
+        objective="nsp" if args.objective == "nsp" else "mlm", max_seq_len=args.max_seq_len,
+        batch_size=args.batch_size, mask_prob=args.mask_prob,
         whole_word_mask=args.whole_word_mask, short_seq_prob=args.short_seq_prob, pack_pairs=args.packing,
         seed=args.seed if seed is None else seed, shuffle=shuffle, shuffle_docs=args.shuffle_docs,
         shuffle_block=args.shuffle_block, text_field=args.text_field, max_doc_bytes=args.max_doc_bytes,

@@ -1,7 +1,7 @@
 """
 Score pretrained BERT models downstream: fine-tune on a classification task, once per seed, and report the test
 accuracy (mean and standard deviation over the seeds) of a run's latest checkpoint, of every checkpoint, or of any
-Hugging Face BERT folder.
+Hugging Face BERT or ELECTRA folder (an electra run: its discriminator).
 
     python finetune.py runs/<name> --task polarity                 # the run's latest checkpoint, 3 seeds
     python finetune.py runs/<name> --task r8 --every-checkpoint    # accuracy against pretraining time (+ a PNG)
@@ -11,7 +11,7 @@ Hugging Face BERT folder.
     tensorboard --logdir runs                                      # finetune/<task>/accuracy beside the run's loss
 
 MODEL: a run's out dir (its latest checkpoint; --every-checkpoint: each one, in step order), a checkpoint folder
-(<out>/checkpoints/step_000400), or a Hugging Face BERT folder (config.json + weights, e.g. <out>/hf).
+(<out>/checkpoints/step_000400), or a Hugging Face BERT or ELECTRA folder (config.json + weights, e.g. <out>/hf).
 
 --task:
   polarity   Rotten Tomatoes sentences, positive/negative (Pang and Lee's data that SST-2 was built from), split
@@ -106,7 +106,8 @@ def parse_args(argv=None):
     number = data_stream.number  # a value out of range fails at parse time, in one line
     p = data_stream.Parser(prog="finetune.py", description=__doc__.split("\nTop to bottom")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="a run's out dir, a checkpoint folder or a Hugging Face BERT folder")
+    p.add_argument("model", metavar="MODEL",
+                   help="a run's out dir, a checkpoint folder or a Hugging Face BERT or ELECTRA folder")
     p.add_argument("--task", default="polarity", help="polarity, r8, FILE (.csv/.tsv/.jsonl) or glue/NAME (above)")
     p.add_argument("--eval-file", default=None, help="FILE's test set (same columns); default: --test-fraction of FILE")
     p.add_argument("--test-fraction", type=number(float, 0, 1, low_open=True, high_open=True), default=0.1,
@@ -400,8 +401,9 @@ def task_name(task):
 
 @dataclass
 class Source:
-    """Weights to fine-tune: a BertConfig and BertModel's weights (None: --random-init); a pooler the source
-    lacks (an mlm run's) is not in them, so it starts fresh with each seed."""
+    """Weights to fine-tune: a BertConfig and BertModel's weights, or an ElectraConfig and ElectraModel's (an
+    electra run's discriminator); None: --random-init. A pooler the source lacks (an mlm run's) is not in them,
+    so it starts fresh with each seed."""
     path: str
     config: object
     weights: dict | None
@@ -413,7 +415,7 @@ def resolve_model(args):
     """(kind, the folders to score in order, MODEL's tokenizer folder or None, its run's out dir or None)."""
     if not os.path.isdir(args.model):
         fail(f"MODEL {args.model} is not a folder: give a run's out dir, a checkpoint folder or a Hugging Face "
-               "BERT folder")
+               "BERT or ELECTRA folder")
     try:
         kind, folder, tokenizer = checkpoints.init_source(args.model)
     except checkpoints.CheckpointError as e:  # its wording is --init-from's: here the path is MODEL
@@ -431,7 +433,7 @@ def resolve_model(args):
 def load_source(kind, folder, random_init):
     """The model in folder (kind: checkpoint or hf, as checkpoints.init_source says); a checkpoint's step and
     training time."""
-    from transformers import BertConfig, BertModel
+    from transformers import AutoConfig, AutoModel, BertConfig, ElectraConfig
     from transformers.utils import logging as hf_logging
     if kind == "checkpoint":
         loaded, problem = checkpoints.read_checkpoint(folder)
@@ -439,9 +441,13 @@ def load_source(kind, folder, random_init):
             fail(f"MODEL checkpoint {folder} cannot be used: {problem}")
         try:
             meta = loaded["meta"]
-            config = BertConfig(**meta["config"]["architecture"])
-            weights = {k.removeprefix("bert."): v for k, v in loaded["trainer.pt"]["model"].items()
-                       if k.startswith("bert.")}
+            architecture = meta["config"]["architecture"]
+            body = "bert."
+            if meta["config"]["objective"] == "electra":  # the discriminator: what ELECTRA fine-tunes
+                architecture = {k: v for k, v in architecture.items() if k != "generator"}
+                body = "discriminator.electra."
+            config = (ElectraConfig if body != "bert." else BertConfig)(**architecture)
+            weights = {k.removeprefix(body): v for k, v in loaded["trainer.pt"]["model"].items() if k.startswith(body)}
         except (KeyError, TypeError) as e:
             fail(f"MODEL {folder} is not a checkpoint of pretrain_ddp.py (it lacks {e})")
         if random_init:
@@ -451,8 +457,8 @@ def load_source(kind, folder, random_init):
     try:
         with quiet(hf_logging):
             if random_init:
-                return Source(folder, BertConfig.from_pretrained(folder), None)
-            model, info = BertModel.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+                return Source(folder, AutoConfig.from_pretrained(folder), None)
+            model, info = AutoModel.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # transformers raises many types for a folder it cannot load
         fail(f"MODEL {folder} cannot be loaded: {first_line(e)}")
     missing = set(info["missing_keys"])
@@ -475,19 +481,20 @@ def recipe_for(args, config):
 
 
 def new_classifier(source, labels, seed):
-    """BertForSequenceClassification with source's weights; its classifier (and a pooler the source lacks)
-    initialised by seed."""
-    from transformers import BertConfig, BertForSequenceClassification
+    """BertForSequenceClassification (ElectraForSequenceClassification for an ELECTRA) with source's weights;
+    its classifier (and a pooler the source lacks) initialised by seed."""
+    from transformers import BertForSequenceClassification, ElectraForSequenceClassification
     torch.manual_seed(seed)
-    config = BertConfig.from_dict({**source.config.to_dict(), "id2label": dict(enumerate(labels)),
-                                   "label2id": {name: i for i, name in enumerate(labels)}})
-    model = BertForSequenceClassification(config)
+    config = type(source.config).from_dict({**source.config.to_dict(), "id2label": dict(enumerate(labels)),
+                                            "label2id": {name: i for i, name in enumerate(labels)}})
+    electra = config.model_type == "electra"
+    model = (ElectraForSequenceClassification if electra else BertForSequenceClassification)(config)
     if source.weights is not None:
-        missing, unexpected = model.bert.load_state_dict(source.weights, strict=False)
+        missing, unexpected = model.base_model.load_state_dict(source.weights, strict=False)
         body = [k for k in missing if not k.startswith("pooler.")]
         if body or unexpected:
             fail(f"MODEL {source.path} does not fit its own config: {len(body)} BERT weights missing, "
-                   f"{len(unexpected)} unexpected (e.g. {(body + unexpected)[0]}); is it a BERT model?")
+                   f"{len(unexpected)} unexpected (e.g. {(body + unexpected)[0]}); is it a BERT or ELECTRA model?")
     return model
 
 
@@ -751,14 +758,15 @@ def main(argv=None):
     data = encode_task(task, args, tokenizer, recipe.max_len)
     sizes = {split: len(part.ids) if part else 0 for split, part in (("train", data.train), ("dev", data.dev),
                                                                      ("test", data.test))}
-    pooler = first.weights is None or any(k.startswith("pooler.") for k in first.weights)
+    family = "ELECTRA" if first.config.model_type == "electra" else "BERT"  # ELECTRA's head has no pooler
+    pooler = family == "ELECTRA" or first.weights is None or any(k.startswith("pooler.") for k in first.weights)
     if recipe.pooling == "cls" and not pooler:
         warn(f"note: MODEL {args.model} has no pooler (an mlm run's): it starts fresh, seeded like the classifier")
     if args.random_init:
-        warn(f"note: --random-init: BERT-{size} with fresh weights, seeded; MODEL's weights are not used")
+        warn(f"note: --random-init: {family}-{size} with fresh weights, seeded; MODEL's weights are not used")
     say(f"{args.task}: {len(task.labels)} labels, {sizes['train']} train, {sizes['dev']} dev, "
-          f"{sizes['test']} test examples ({task.test_from}); BERT-{size}, lr {recipe.lr:g}, epochs {recipe.epochs}, "
-          f"batch {recipe.batch_size}, max {recipe.max_len} tokens, pooling {recipe.pooling}, "
+          f"{sizes['test']} test examples ({task.test_from}); {family}-{size}, lr {recipe.lr:g}, "
+          f"epochs {recipe.epochs}, batch {recipe.batch_size}, max {recipe.max_len} tokens, pooling {recipe.pooling}, "
           f"seeds {','.join(map(str, args.seeds))}; {device}, threads: {torch.get_num_threads()}")
 
     name = task_name(args.task)

@@ -13,6 +13,7 @@ contract (sparse_targets, the collate function that turns a batch of data_stream
 reads; prepare, which puts it on the device), its FLOPs and the peak of the GPU that runs them (MFU). It
 needs torch and transformers only.
 """
+import os
 import re
 
 import torch
@@ -25,13 +26,31 @@ import torch.nn.functional as F
 MODEL_SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8),
                "medium": (8, 512, 8), "base": (12, 768, 12), "large": (24, 1024, 16)}
 
+# ELECTRA (Clark et al. 2020): the generator's width as a fraction of the discriminator's (the paper found 1/4 to
+# 1/2 best: a stronger generator makes the task too hard), and the weight of the discriminator's mean loss in the
+# sum that trains both (the paper's 50: its per-token binary loss is ~50x smaller than the generator's MLM loss)
+GENERATOR_SIZE = 0.25
+DISC_WEIGHT = 50.0
 
-def new_architecture(model_size, vocab_size, max_seq_len, pad_id):
-    """The BertConfig fields (no dropout) of a model built from scratch; runs keep them in their config."""
+
+def new_architecture(model_size, vocab_size, max_seq_len, pad_id, generator_size=None):
+    """The BertConfig fields (no dropout) of a model built from scratch; runs keep them in their config. With a
+    generator_size (ELECTRA): ElectraConfig's, the discriminator's at model_size plus the generator's shape."""
     layers, hidden, heads = MODEL_SIZES[model_size]
-    return {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
-            "num_attention_heads": heads, "intermediate_size": 4 * hidden,
-            "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
+    architecture = {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
+                    "num_attention_heads": heads, "intermediate_size": 4 * hidden,
+                    "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
+    if generator_size is not None:
+        # The generator has the discriminator's depth at a fraction of its width (the paper's), heads of the
+        # discriminator's head size where they fit; both read the same embeddings, of the discriminator's width
+        width = max(1, round(hidden * generator_size))
+        gen_heads = max(1, width // (hidden // heads))
+        while width % gen_heads:
+            gen_heads -= 1
+        architecture["embedding_size"] = hidden
+        architecture["generator"] = {"hidden_size": width, "num_attention_heads": gen_heads,
+                                     "intermediate_size": 4 * width}
+    return architecture
 
 
 def size_name(architecture):
@@ -45,10 +64,37 @@ def size_name(architecture):
 
 
 def model_from(architecture, objective, dropout):
-    """A fresh BertForPreTraining (nsp) or BertForMaskedLM (mlm) of that architecture (seed torch first)."""
+    """A fresh BertForPreTraining (nsp), BertForMaskedLM (mlm) or ElectraPair (electra) of that architecture
+    (seed torch first)."""
     from transformers import BertConfig, BertForMaskedLM, BertForPreTraining  # here: data workers import this file
+    if objective == "electra":
+        return ElectraPair(architecture, dropout)
     config = BertConfig(**{**architecture, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
     return (BertForPreTraining if objective == "nsp" else BertForMaskedLM)(config)
+
+
+class ElectraPair(torch.nn.Module):
+    """ELECTRA's two models, trained together, each a stock transformers class: the discriminator, an
+    ElectraForPreTraining (what one fine-tunes), and the generator, an ElectraForMaskedLM of a fraction of its
+    width that reads the discriminator's embeddings (token, position and type, and their LayerNorm: the same
+    modules), its output projection tied to the token embeddings (the paper's sharing). save_pretrained writes
+    the discriminator to a folder and the generator to its generator/; both load with the Auto classes."""
+
+    def __init__(self, architecture, dropout):
+        super().__init__()
+        from transformers import ElectraConfig, ElectraForMaskedLM, ElectraForPreTraining
+        body = {k: v for k, v in architecture.items() if k != "generator"}
+        drop = {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+        self.discriminator = ElectraForPreTraining(ElectraConfig(**body, **drop))
+        self.generator = ElectraForMaskedLM(ElectraConfig(**{**body, **architecture["generator"]}, **drop))
+        embeddings = self.discriminator.electra.embeddings
+        self.generator.electra.embeddings = embeddings
+        self.generator.generator_lm_head.weight = embeddings.word_embeddings.weight
+        self.config = self.discriminator.config
+
+    def save_pretrained(self, folder, **kwargs):
+        self.discriminator.save_pretrained(folder, **kwargs)
+        self.generator.save_pretrained(os.path.join(folder, "generator"), **kwargs)
 
 
 def new_optimizer(raw_model, lr, weight_decay):
@@ -80,7 +126,13 @@ class Pretraining(torch.nn.Module):
         self.hf = hf_model
 
     def forward(self, input_ids, token_type_ids, masked_pos, masked_targets, attention_mask=None,
-                position_ids=None, sequence_ids=None, real_pos=None, cls_pos=None, next_sentence_label=None):
+                position_ids=None, sequence_ids=None, real_pos=None, cls_pos=None, next_sentence_label=None,
+                copied_row=None):
+        if isinstance(self.hf, ElectraPair):
+            if sequence_ids is not None:
+                attention_mask = sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]
+            return replaced_token_detection(self.hf, input_ids, token_type_ids, masked_pos, masked_targets,
+                                            attention_mask, position_ids, real_pos, copied_row, self.training)
         logits, nsp_logits = self.logits(input_ids, token_type_ids, masked_pos, attention_mask, position_ids,
                                          sequence_ids, real_pos, cls_pos)
         mlm_loss = F.cross_entropy(logits, masked_targets, reduction="sum")
@@ -108,14 +160,97 @@ class Pretraining(torch.nn.Module):
         return logits, self.hf.cls.seq_relationship(pooled).float()
 
 
+def replaced_token_detection(pair, input_ids, token_type_ids, masked_pos, masked_targets, attention_mask,
+                             position_ids, real_pos, copied_row, training):
+    """ELECTRA's step on an mlm batch, each model computing only what its loss reads: the generator's MLM
+    at the masked positions, its samples put there, and the discriminator's loss at every real token: was it
+    replaced? (A sample that equals the original counts as not replaced, as in the paper.) Per sequence the
+    math of the stock ElectraForMaskedLM and ElectraForPreTraining (tests: 1e-4). Returns per-batch sums:
+    (generator MLM loss, its correct, discriminator loss, its correct over the real tokens); the trainer
+    divides the first by the masked tokens, the second by the real ones, and weighs it by DISC_WEIGHT."""
+    generator, discriminator = pair.generator, pair.discriminator
+    x = encode(generator.electra, input_ids, token_type_ids, masked_pos, attention_mask, position_ids, real_pos,
+               training)
+    logits = generator.generator_lm_head(generator.generator_predictions(x)).float()
+    mlm_loss, probs = SoftmaxCrossEntropy.apply(logits, masked_targets)
+    mlm_correct = (logits.argmax(-1) == masked_targets).sum()
+    with torch.no_grad():  # no gradient flows through the samples (the paper's): the generator learns MLM only
+        sampled = sample(probs)
+        real = masked_targets >= 0  # sparse_targets pads a batch's masked positions to two with target -100
+        flat = input_ids.flatten()
+        in_rows = masked_pos if real_pos is None else real_pos[masked_pos]
+        # added, not assigned: a padding entry (position 0, adding 0) never overwrites a real one there
+        fakes = flat.index_put((in_rows,), torch.where(real, sampled - flat[in_rows], 0), accumulate=True)
+        n = len(flat) if real_pos is None else len(real_pos)
+        replaced = torch.zeros(n, device=flat.device).index_put_(
+            (masked_pos,), ((sampled != masked_targets) & real).float(), accumulate=True)
+        # a one-row batch's copy (sparse_targets: for torch.compile) holds no sample: only the row counts
+        weights = None if copied_row is None else (torch.arange(n, device=flat.device) < copied_row).float()
+    x = encode(discriminator.electra, fakes.view_as(input_ids), token_type_ids, None, attention_mask, position_ids,
+               real_pos, training)
+    disc_logits = discriminator.discriminator_predictions(x).float()
+    disc_loss = F.binary_cross_entropy_with_logits(disc_logits, replaced, weights, reduction="sum")
+    disc_right = (disc_logits > 0) == replaced.bool()
+    disc_correct = disc_right.sum() if weights is None else (disc_right * weights).sum()
+    return torch.stack([mlm_loss, mlm_correct.float(), disc_loss, disc_correct.float()])
+
+
+class SoftmaxCrossEntropy(torch.autograd.Function):
+    """F.cross_entropy(logits, targets, reduction="sum") (targets -100 ignored) that also returns the softmax
+    it computes (no gradient): its backward reads the same probabilities, and the generator's samples are
+    drawn from them: one exp over the vocabulary where log_softmax, its backward and a sample took three."""
+
+    @staticmethod
+    def forward(ctx, logits, targets):
+        shifted = logits - logits.amax(-1, keepdim=True)
+        probs = shifted.exp()
+        total = probs.sum(-1, keepdim=True)
+        probs /= total
+        real = targets >= 0
+        index = targets.clamp(min=0)[:, None]
+        loss = ((total.log() - shifted.gather(1, index)).squeeze(1) * real).sum()
+        ctx.save_for_backward(probs, index, real)
+        ctx.mark_non_differentiable(probs)
+        return loss, probs
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        probs, index, real = ctx.saved_tensors
+        scale = (real * grad_loss)[:, None]  # d loss / d logits = softmax - one-hot(target), per real row
+        return (probs * scale).scatter_add_(1, index, -scale), None
+
+
+def sample(probs, block=128):
+    """One token per row of probs (each sums to 1), drawn with torch's RNG (a checkpoint keeps its state: a
+    resume draws the same), on the device (no host sync), by the inverse of the cumulative distribution with
+    one uniform number per row, in two levels: the row's blocks of `block` tokens, then the tokens of the block
+    drawn. (Gumbel-max, or torch.multinomial's exponentials, draw a number per vocabulary entry, and one
+    cumulative sum over the vocabulary is sequential: each cost a tiny ELECTRA's CPU step a sixth more.)"""
+    rows, vocab = probs.shape
+    if vocab % block:
+        probs = F.pad(probs, (0, -vocab % block))  # the padding has probability 0
+    probs = probs.view(rows, -1, block)
+    block_probs = probs.sum(-1)
+    block_cdf = block_probs.cumsum(-1)
+    u = torch.rand(rows, 1, device=probs.device, dtype=probs.dtype) * block_cdf[:, -1:]  # the sum: 1, rounded
+    chosen = torch.searchsorted(block_cdf, u).clamp_(max=block_cdf.shape[1] - 1)
+    u = u - (block_cdf.gather(1, chosen) - block_probs.gather(1, chosen))  # what is left inside the block
+    inner_cdf = probs[torch.arange(rows, device=probs.device), chosen.squeeze(1)].cumsum(-1)
+    token = chosen * block + torch.searchsorted(inner_cdf, u).clamp_(max=block - 1)
+    return token.squeeze(1).clamp_(max=vocab - 1)
+
+
 def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls"):
-    """A Hugging Face BertForSequenceClassification's logits, computed as Pretraining computes its own: the real
-    tokens only; attention_mask is a tokenizer's (rows, width) of 1s and 0s. pooling "cls": the last layer only
-    at each row's [CLS], through the pooler: the same math as classifier(...).logits (tests: 1e-5). "mean": the
-    classifier reads the mean of the last layer over each row's real tokens (the pooler unused): an mlm run
-    trains neither [CLS] nor the pooler, and every token's state is what its loss trained."""
+    """A Hugging Face BertForSequenceClassification's (or ElectraForSequenceClassification's) logits, computed as
+    Pretraining computes its own: the real tokens only; attention_mask is a tokenizer's (rows, width) of 1s and
+    0s. pooling "cls": the last layer only at each row's [CLS], through BERT's pooler or ELECTRA's head: the
+    same math as classifier(...).logits (tests: 1e-5). "mean": the classifier reads the mean of the last layer
+    over each row's real tokens (BERT's pooler unused): an mlm run trains neither [CLS] nor the pooler, and
+    every token's state is what its loss trained."""
     if pooling not in ("cls", "mean"):
         raise ValueError(f"pooling must be cls or mean, not {pooling!r}")
+    electra = hasattr(classifier, "electra")
+    body = classifier.electra if electra else classifier.bert
     lengths = attention_mask.sum(1)
     cls_pos = lengths.cumsum(0) - lengths  # each row's [CLS] among the real tokens
     real_pos = None
@@ -124,22 +259,27 @@ def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls
         real_pos = attention_mask.flatten().nonzero().squeeze(1)
         mask = attention_mask.bool()[:, None, None, :]
     reads = cls_pos if pooling == "cls" else torch.arange(int(lengths.sum()), device=input_ids.device)
-    x = encode(classifier.bert, input_ids, token_type_ids, reads, mask, None, real_pos, classifier.training)
+    x = encode(body, input_ids, token_type_ids, reads, mask, None, real_pos, classifier.training)
     if pooling == "cls":
-        pooled = classifier.bert.pooler(x[:, None])  # the pooler reads position 0
+        pooled = x if electra else body.pooler(x[:, None])  # the pooler reads position 0
     else:
         row = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
         sums = x.new_zeros(len(lengths), x.shape[1], dtype=torch.float32).index_add_(0, row, x.float())
         pooled = (sums / lengths.clamp(min=1)[:, None]).to(x.dtype)  # summed in fp32 under autocast too
+    if electra:  # its head (dropout, dense, gelu, dropout, projection) reads position 0
+        return classifier.classifier(pooled[:, None])
     return classifier.classifier(classifier.dropout(pooled))
 
 
 def encode(bert, input_ids, token_type_ids, reads, attention_mask=None, position_ids=None, real_pos=None,
            training=False):
-    """A Hugging Face BertModel's hidden states at reads (indices into the real tokens, in row order): every
-    layer on the real tokens only (real_pos: where they are in the flattened rows; None: every position is
-    real), attention in the rows under attention_mask (4-D, boolean), the last layer only at reads."""
+    """A Hugging Face BertModel's (or ElectraModel's) hidden states at reads (indices into the real tokens, in
+    row order; None: all): every layer on the real tokens only (real_pos: where they are in the flattened rows;
+    None: every position is real), attention in the rows under attention_mask (4-D, boolean), the last layer
+    only at reads."""
     x = bert.embeddings(input_ids=input_ids, token_type_ids=token_type_ids, position_ids=position_ids)
+    if hasattr(bert, "embeddings_project"):  # an ElectraModel narrower than its embeddings (a generator)
+        x = bert.embeddings_project(x)
     rows = x.shape[:2]
     x = x.flatten(0, 1) if real_pos is None else x.flatten(0, 1).index_select(0, real_pos)
     *layers, last = bert.encoder.layer
@@ -172,13 +312,15 @@ def sparse_targets(batch):
     """The DataLoader's collate_fn (it runs in the worker; its tensors are pinned with the rest): masked
     positions and targets instead of labels, the real tokens' positions, a 4-D boolean mask where a
     batch pads (nothing the model reads back: no host sync), and its host counts. torch.compile
-    specialises sizes 0 and 1, so a batch of one row or pair gets a copy of its row (nothing read in it)
-    and an NSP label -100 (ignored), and masked positions are padded to two with target -100."""
+    specialises sizes 0 and 1, so a batch of one row or pair gets a copy of its row (nothing read in it;
+    copied_row: the row's real tokens, which come first) and an NSP label -100 (ignored), and masked positions
+    are padded to two with target -100."""
     labels, mask = batch.pop("labels"), batch.pop("attention_mask")
     batch.update(counts_of(mask, batch.get("sequence_ids"), batch.get("next_sentence_label")))
     if "next_sentence_label" in batch and "cls_pos" not in batch:  # a pair a row: its [CLS] starts it
         batch["cls_pos"] = torch.arange(len(labels)) * labels.shape[1]
     if len(labels) == 1:
+        batch["copied_row"] = torch.tensor(batch["num_tokens"])  # ELECTRA's loss reads every real token: the row's
         labels = torch.cat([labels, torch.full_like(labels, -100)])
         mask = torch.cat([mask, mask])
         for name in ("input_ids", "token_type_ids", "position_ids", "sequence_ids"):
@@ -235,14 +377,26 @@ def prepare(batch, device, dynamic=False):
 
 # ----------------------------------------------------------------------------- its FLOPs, and a GPU's peak (MFU)
 
-def train_flops(config, counts):
+def train_flops(hf_model, counts):
     """Training FLOPs of the real work of one micro-batch (forward + backward = 3x forward): of its
-    tokens, not its padding, and of attention within each sample (MFU counts what was worth computing)."""
-    layers, hidden, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
-    per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * config.intermediate_size)
-    attention = 2 * layers * 2 * hidden * counts["num_attended"]  # QK^T and AV over (query, key) pairs
-    head = 2 * (hidden * hidden + hidden * vocab) * counts["num_masked"]
-    return 3 * (counts["num_tokens"] * per_token + attention + head)
+    tokens, not its padding, and of attention within each sample (MFU counts what was worth computing).
+    ELECTRA: the generator's encoder and head, and the discriminator's encoder and head on every token."""
+    def encoder(config):
+        layers, hidden = config.num_hidden_layers, config.hidden_size
+        per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * config.intermediate_size)
+        attention = 2 * layers * 2 * hidden * counts["num_attended"]  # QK^T and AV over (query, key) pairs
+        return counts["num_tokens"] * per_token + attention
+
+    config = hf_model.config
+    hidden, vocab = config.hidden_size, config.vocab_size
+    if not isinstance(hf_model, ElectraPair):
+        return 3 * (encoder(config) + 2 * (hidden * hidden + hidden * vocab) * counts["num_masked"])
+    gen = hf_model.generator.config
+    width, embedding = gen.hidden_size, gen.embedding_size
+    project = 2 * embedding * width * counts["num_tokens"] if width != embedding else 0
+    gen_head = 2 * (width * embedding + embedding * vocab) * counts["num_masked"]
+    disc_head = 2 * (hidden * hidden + hidden) * counts["num_tokens"]
+    return 3 * (encoder(gen) + project + gen_head + encoder(config) + disc_head)
 
 
 # Dense peak FLOP/s from the data sheets: (bf16/fp16 tensor cores, TF32, fp32; V100 and T4: no TF32). A key

@@ -66,7 +66,10 @@ from checkpoints import (  # noqa: E402
 )
 from estimate_steps import Budget, LRPlan, lr_factor, plan_of  # noqa: E402
 from model import (  # noqa: E402
+    DISC_WEIGHT,
+    GENERATOR_SIZE,
     MODEL_SIZES,
+    ElectraPair,
     Pretraining,
     gpu_peak,
     model_from,
@@ -119,6 +122,9 @@ def parse_args(argv=None):
                             "tokens) and continued pretraining. A run that has checkpoints of its own resumes those")
     model.add_argument("--dropout", type=number(float, 0, 1, high_open=True), default=0.1,
                        help="hidden and attention dropout")
+    model.add_argument("--generator-size", type=number(float, 0, low_open=True), default=None, metavar="FRACTION",
+                       help=f"--objective electra: the generator's width as a fraction of the model's (at most 1; "
+                            f"default {GENERATOR_SIZE}, the paper's best at 1/4 to 1/2)")
     model.add_argument("--compile", action="store_true",
                        help="torch.compile the model (pays on GPUs; on CPUs it measured no gain for a long compile)")
 
@@ -208,6 +214,13 @@ def validate(args):
     if args.max_seq_len < (5 if args.objective == "nsp" else 3):
         fail(f"--max-seq-len {args.max_seq_len} is too small for an {args.objective} sample "
              f"(at least {5 if args.objective == 'nsp' else 3})")
+    if args.objective != "electra" and args.generator_size is not None:
+        fail(f"--generator-size applies to --objective electra only, not {args.objective}: drop it")
+    if args.objective == "electra":
+        args.generator_size = args.generator_size or GENERATOR_SIZE  # a checkpoint keeps the value used
+        if args.generator_size > 1:
+            fail(f"--generator-size {args.generator_size} makes the generator wider than the model it trains; "
+                 "ELECTRA's works best at 1/4 to 1/2: give at most 1")
     bad = set(args.log_to.split(",")) - {"stdout", "tensorboard", "mlflow", "wandb"}
     if bad:
         fail(f"--log-to takes stdout, tensorboard, mlflow, wandb; not {', '.join(sorted(bad))}")
@@ -392,7 +405,7 @@ def main(argv=None):
         batches = iter(make_loader(stream, args.num_workers, device, timeout_s))
         data_ended = False
         while progress.step < step_limit:
-            window, cursors, counts = next_window(batches, args, device, trainer.raw_model.hf.config, meter)
+            window, cursors, counts = next_window(batches, args, device, trainer.raw_model.hf, meter)
             # The one collective per step: every rank's full window? (SUM of 0/1), the global counts, a stop
             full, *totals, stops = all_reduce_ctrl([len(window) == args.accum_steps, *counts, len(stop_signal)])
             if full < GROUP.world_size or stops:
@@ -402,8 +415,8 @@ def main(argv=None):
             for cursor in cursors:
                 stream.consumed(cursor)
             lr = args.lr * lr_factor(plan, progress.plan_pos)
-            last_step = train_step(trainer, [batch for batch, _ in window], totals[0], totals[1], GROUP.world_size,
-                                   args.clip, lr)
+            last_step = train_step(trainer, [batch for batch, _ in window], loss_divisors(args.objective, totals),
+                                   GROUP.world_size, args.clip, lr)
             count_step(meter, progress, last_step, lr, totals)
             progress.plan_pos += step_in_plan
             if progress.step % args.log_every == 0:
@@ -463,7 +476,7 @@ def main(argv=None):
 
 # ----------------------------------------------------------------------------- one iteration of the loop, in its order
 
-def next_window(batches, args, device, hf_config, meter):
+def next_window(batches, args, device, hf_model, meter):
     """Up to --accum-steps micro-batches on the device: ([(batch, samples)], their cursors, this rank's
     [masked, samples, tokens, flops, positions computed]); the time waited goes to the meter."""
     t_wait = time.perf_counter()
@@ -475,7 +488,7 @@ def next_window(batches, args, device, hf_config, meter):
         batch, counts = prepare(raw, device, dynamic=args.compile)
         window.append((batch, counts["num_samples"]))
         for i, value in enumerate((counts["num_masked"], counts["num_samples"], counts["num_tokens"],
-                                   train_flops(hf_config, counts), counts["num_computed"])):
+                                   train_flops(hf_model, counts), counts["num_computed"])):
             totals[i] += value
         if len(window) == args.accum_steps:
             break
@@ -485,18 +498,30 @@ def next_window(batches, args, device, hf_config, meter):
     return window, cursors, totals
 
 
+def loss_divisors(objective, totals):
+    """What the forward's two loss sums are divided by, from a step's global (masked, samples, tokens, ...):
+    mlm's by the masked tokens; nsp's by the pairs; electra's discriminator loss (over every real token) by
+    the real tokens, weighed by DISC_WEIGHT (the paper's) in the sum that trains both models."""
+    masked, samples, tokens = totals[:3]
+    if objective == "electra":
+        return max(masked, 1), max(tokens, 1) / DISC_WEIGHT
+    return max(masked, 1), max(samples, 1)
+
+
 class StepResult(NamedTuple):
     """What a step leaves, as device tensors (reading them on the host would wait for the device)."""
-    sums: torch.Tensor       # (mlm loss, mlm correct, nsp loss, nsp correct), summed over the window
+    sums: torch.Tensor       # (mlm loss, mlm correct, nsp loss, nsp correct), summed over the window; electra:
+                             # (generator's mlm loss, its correct, discriminator's loss, its correct)
     grad_norm: torch.Tensor
     skipped: torch.Tensor    # 1.0: the gradient was inf or NaN, the step was not applied
 
 
-def train_step(trainer, window, global_masked, global_samples, world_size, clip, lr):
+def train_step(trainer, window, divisors, world_size, clip, lr):
     """One optimizer step at learning rate lr over a window of micro-batches. A skipped step (an inf/NaN
     gradient) still counts as a step, as in the Trainer and nanoGPT: knowing it on the host would cost a sync.
-    Each micro-batch's loss is its sum of token losses over the *global* masked-token count (x world_size:
-    DDP averages over ranks), so the gradient is one big batch's, however the tokens fall."""
+    Each micro-batch's loss is its sum of token losses over the *global* count that divisors give (the masked
+    tokens for mlm: loss_divisors; x world_size: DDP averages over ranks), so the gradient is one big batch's,
+    however the tokens fall."""
     model, optimizer, scaler = trainer.model, trainer.optimizer, trainer.scaler
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -507,7 +532,7 @@ def train_step(trainer, window, global_masked, global_samples, world_size, clip,
         with sync:  # all-reduce gradients only once per window, on its last backward
             with trainer.amp_ctx:
                 out = model(**batch)
-            loss = (out[0] / max(global_masked, 1) + out[2] / max(global_samples, 1)) * world_size
+            loss = (out[0] / divisors[0] + out[2] / divisors[1]) * world_size
             scaler.scale(loss).backward()
         sums = out.detach() if sums is None else sums + out.detach()
     scaler.unscale_(optimizer)
@@ -546,7 +571,7 @@ def count_step(meter, progress, step, lr, totals):
     progress.train_seconds = meter.train_base + time.perf_counter() - meter.start.clock
     # The loss sums and counts of the steps applied (a skipped step's loss may be NaN), on the device: the
     # counts are filled in there (a copy from the host would wait for the device)
-    counts = torch.stack([step.skipped.new_full((), masked), step.skipped.new_full((), samples)])
+    counts = torch.stack([step.skipped.new_full((), n) for n in (masked, samples, tokens)])
     applied = torch.where(step.skipped > 0, 0.0, torch.cat([step.sums, counts]))
     interval = meter.interval
     interval.sums = applied if interval.sums is None else interval.sums + applied
@@ -563,19 +588,24 @@ def log_interval(log, meter, progress, grad_norm, scaler, objective):
     loss_sums = torch.cat([interval.sums, meter.skipped[None]]).double()
     if world_size > 1:
         dist.all_reduce(loss_sums)  # the loss of all ranks, not rank 0's: one sync per log
-    mlm_loss, _, nsp_loss, _, masked, samples, skipped = loss_sums.tolist()
+    mlm_loss, _, second_loss, _, masked, samples, tokens, skipped = loss_sums.tolist()
     masked /= world_size  # the global counts, on every rank
     samples /= world_size
+    tokens /= world_size
     elapsed = time.perf_counter() - interval.t0
     speed = rates(elapsed, 0, interval.tokens, interval.flops, meter.peak, world_size)
     mlm_loss = mlm_loss / masked if masked else float("nan")  # nan: every step of the interval was skipped
-    nsp_loss = nsp_loss / samples if samples else float("nan")
-    scalars = {"train/loss": mlm_loss + nsp_loss, "train/mlm_loss": mlm_loss, "train/lr": interval.lr,
+    # the second loss as it is trained: nsp's per pair; electra's discriminator's per token, weighed
+    divisor = tokens / DISC_WEIGHT if objective == "electra" else samples
+    second_loss = second_loss / divisor if divisor else float("nan")
+    scalars = {"train/loss": mlm_loss + second_loss, "train/mlm_loss": mlm_loss, "train/lr": interval.lr,
                "train/grad_norm": float(grad_norm), "train/tokens_per_sec": speed["tokens_per_sec"],
                "train/samples_per_sec": interval.samples / elapsed,
                "train/data_wait": interval.wait / elapsed, "train/epoch": progress.epoch}
     if objective == "nsp":
-        scalars["train/nsp_loss"] = nsp_loss
+        scalars["train/nsp_loss"] = second_loss
+    if objective == "electra":  # the discriminator's mean loss per token, unweighted
+        scalars["train/disc_loss"] = second_loss / DISC_WEIGHT
     if scaler.is_enabled():
         scalars["train/loss_scale"] = scaler.get_scale()
     if skipped:
@@ -584,7 +614,7 @@ def log_interval(log, meter, progress, grad_norm, scaler, objective):
         scalars["train/mfu"] = speed["mfu"]
     log(scalars, progress.step)
     meter.interval = Interval()
-    return mlm_loss + nsp_loss
+    return mlm_loss + second_loss
 
 
 def most_skipped_in_a_row(meter):
@@ -695,36 +725,45 @@ def save_on_rank0(out_dir, step, trainer, ranks, meta, keep_last, loss_finite):
 
 
 def run_eval(trainer, eval_loader, args, log, step):
-    metrics = evaluate(trainer.raw_model, eval_loader, trainer.amp_ctx, args.objective == "nsp")
+    metrics = evaluate(trainer.raw_model, eval_loader, trainer.amp_ctx, args.objective)
     log(metrics, step)
     return metrics
 
 
 @torch.no_grad()
-def evaluate(raw_model, loader, amp_ctx, nsp):
-    """Collective: MLM loss / perplexity / accuracy and NSP accuracy over the whole (sharded) eval set."""
+def evaluate(raw_model, loader, amp_ctx, objective):
+    """Collective: MLM loss / perplexity / accuracy (electra: its generator's) and NSP accuracy, or electra's
+    replaced-token detection, over the whole (sharded) eval set."""
     device = next(raw_model.parameters()).device
     raw_model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)
     masked = 0
     samples = 0
-    for batch in loader:
-        batch, counts = prepare(batch, device)
-        with amp_ctx:
-            sums += raw_model(**batch).double()
-        masked += counts["num_masked"]  # host counts: no copy from the device
-        samples += counts["num_samples"]
-    sums = torch.cat([sums, torch.tensor([masked, samples], dtype=torch.float64, device=device)])
+    tokens = 0
+    # electra's generator samples from torch's RNG: eval draws its own, seeded, and leaves training's as it was
+    # (a run that evaluates at a step and one resumed there go on alike)
+    with torch.random.fork_rng([device] if device.type == "cuda" else []):
+        torch.manual_seed(EVAL_SEED)
+        for batch in loader:
+            batch, counts = prepare(batch, device)
+            with amp_ctx:
+                sums += raw_model(**batch).double()
+            masked += counts["num_masked"]  # host counts: no copy from the device
+            samples += counts["num_samples"]
+            tokens += counts["num_tokens"]
+    sums = torch.cat([sums, torch.tensor([masked, samples, tokens], dtype=torch.float64, device=device)])
     if GROUP.world_size > 1:
         dist.all_reduce(sums)
     raw_model.train()
-    mlm_loss, mlm_correct, nsp_loss, nsp_correct, masked, samples = sums.tolist()
+    mlm_loss, mlm_correct, second_loss, second_correct, masked, samples, tokens = sums.tolist()
     if masked == 0:
         return {}
     metrics = {"eval/mlm_loss": mlm_loss / masked, "eval/perplexity": math.exp(min(mlm_loss / masked, 50)),
                "eval/mlm_accuracy": mlm_correct / masked}
-    if nsp:
-        metrics.update({"eval/nsp_loss": nsp_loss / samples, "eval/nsp_accuracy": nsp_correct / samples})
+    if objective == "nsp":
+        metrics.update({"eval/nsp_loss": second_loss / samples, "eval/nsp_accuracy": second_correct / samples})
+    if objective == "electra":
+        metrics.update({"eval/disc_loss": second_loss / tokens, "eval/disc_accuracy": second_correct / tokens})
     return metrics
 
 
@@ -758,7 +797,7 @@ def new_trainer(args, run, rank0_only, device, amp_dtype):
     """The model with the same initial weights on every rank (--init-from's, as rank 0 loaded them), its
     optimizer, fp16's GradScaler and the autocast context; then dropout's RNG, seeded per rank."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank
-    hf_model = model_from(run.config["architecture"], args.objective, args.dropout)
+    hf_model = model_from(run.config["architecture"], args.objective, args.dropout)  # electra: an ElectraPair
     if run.init:  # --init-from: the source's weights, as rank 0 loaded them
         init = run.init
         weights = fetch(rank0_only.init_weights, init["folder"],
@@ -971,7 +1010,7 @@ def plan_run(args, device, amp_dtype, rank0_only):
         architecture = resumed["meta"]["config"]["architecture"]
     elif init is None:
         architecture = new_architecture(args.model_size or "tiny", len(tokenizer), args.max_seq_len,
-                                        tokenizer.pad_token_id)
+                                        tokenizer.pad_token_id, args.generator_size)
     model_size = size_name(architecture)
     if args.model_size not in (None, model_size):
         fail(f"--model-size {args.model_size} differs from {source}: BERT-{model_size} "
@@ -1013,7 +1052,7 @@ def plan_run(args, device, amp_dtype, rank0_only):
 
 
 RESUME_MUST_MATCH = {"model_size": None, "objective": None, "max_seq_len": None, "vocab": None, "seed": None,
-                     "schedule": "linear"}
+                     "schedule": "linear", "generator_size": None}
 
 
 def plan_resume(args, path, meta, config, fingerprint):
@@ -1184,18 +1223,18 @@ def plan_budget(args, run, plan, trainer, stream, eval_loader, device, meter):
     start_epoch(stream, 0, None, args.num_workers)
     batches = iter(make_loader(stream, args.num_workers, device, args.dist_timeout * 60))
     while len(times) <= sum(CALIBRATION):
-        window, _, counts = next_window(batches, args, device, raw_model.hf.config, meter)
+        window, _, counts = next_window(batches, args, device, raw_model.hf, meter)
         full, *totals, _ = all_reduce_ctrl([len(window) == args.accum_steps, *counts, 0])
         if full < GROUP.world_size:
             break
-        train_step(trainer, [batch for batch, _ in window], totals[0], totals[1], GROUP.world_size, args.clip,
-                   args.lr * lr_factor(plan, 0))
+        train_step(trainer, [batch for batch, _ in window], loss_divisors(args.objective, totals), GROUP.world_size,
+                   args.clip, args.lr * lr_factor(plan, 0))
         times.append(clock(device))
     del batches
     warm = min(CALIBRATION[0], len(times) - 2) if len(times) > 1 else 0
     step_s = (times[-1] - times[warm]) / max(len(times) - 1 - warm, 1) if len(times) > 1 else math.inf
     if eval_loader is not None:
-        evaluate(raw_model, eval_loader, trainer.amp_ctx, args.objective == "nsp")
+        evaluate(raw_model, eval_loader, trainer.amp_ctx, args.objective)
     eval_end = clock(device)
     if GROUP.rank == 0:  # a checkpoint's write, deleted (an export, a third of it, is counted as one)
         tmp = os.path.join(run.out_dir, ".budget-calibration")
@@ -1249,7 +1288,11 @@ def announce(args, run, plan, raw_model, device, progress):
     config, estimate = run.config, run.estimate
     n_params = sum(p.numel() for p in raw_model.parameters())
     say(f"config: {json.dumps(config)}")
-    say(f"model: BERT-{config['model_size']} {args.objective}, {n_params / 1e6:.2f}M parameters; world size "
+    name = f"BERT-{config['model_size']} {args.objective}"
+    if isinstance(raw_model.hf, ElectraPair):  # its generator's parameters counted, the shared embeddings once
+        name = (f"ELECTRA-{config['model_size']} (generator {raw_model.hf.generator.config.hidden_size} wide, "
+                f"{sum(p.numel() for p in raw_model.hf.discriminator.parameters()) / 1e6:.2f}M in the discriminator)")
+    say(f"model: {name}, {n_params / 1e6:.2f}M parameters; world size "
         f"{config['world_size']} on {device.type}; effective batch {config['effective_batch']} "
         f"({args.batch_size} x {config['world_size']} ranks x {args.accum_steps} accum)")
     capped = f", capped by --max-steps {args.max_steps})" if args.max_steps else ")"

@@ -83,12 +83,12 @@ def main():
                         contextlib.nullcontext())
 
     def step(batch, counts):
-        P.train_step(trainer, [batch], counts["num_masked"], counts["num_samples"], 1, 1.0, 1e-4)
+        P.train_step(trainer, [batch], (max(counts["num_masked"], 1), counts["num_samples"]), 1, 1.0, 1e-4)
 
     for batch, counts in batches[:args.warmup]:
         step(batch, counts)
     timed = batches[args.warmup:args.warmup + args.steps]
-    flops = sum(M.train_flops(model.hf.config, counts) for _, counts in timed)
+    flops = sum(M.train_flops(model.hf, counts) for _, counts in timed)
     t0 = time.perf_counter()
     for batch, counts in timed:
         step(batch, counts)

@@ -42,7 +42,7 @@ def run(model, world_size, windows_of_step, clip):
         g_samples = sum(len(b["input_ids"]) for b in everything)
         window = [M.prepare(M.sparse_targets(dict(b)), torch.device("cpu"))[0] for b in windows_of_step(everything)]
         trainer = P.Trainer(model, model, opt, scaler, contextlib.nullcontext())
-        P.train_step(trainer, window, g_masked, g_samples, world_size, clip=clip, lr=0.5)
+        P.train_step(trainer, window, (g_masked, g_samples), world_size, clip=clip, lr=0.5)
 
 
 dist.init_process_group("gloo")

@@ -191,20 +191,30 @@ def test_compile_does_not_recompile_as_batch_shapes_vary(corpus, tokenizer):
     assert counter.frame_count == 1
 
 
-def test_mean_pooling_is_the_mean_of_the_stock_last_layer_over_the_real_tokens():
-    """classify(..., pooling="mean") reads the mean of BertModel's last hidden states over each row's real tokens
-    (padding left out), then the classifier's dropout and linear layer: the same logits and gradients as that
-    computed from the stock forward, on padded rows."""
-    from transformers import BertConfig, BertForSequenceClassification
+def stock_classifier(family):
+    """A small BertForSequenceClassification, or ElectraForSequenceClassification (embeddings narrower than its
+    layers: an ElectraModel's projection runs too), eval mode, eager attention."""
+    from transformers import BertConfig, BertForSequenceClassification, ElectraConfig, ElectraForSequenceClassification
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32, num_labels=3, attn_implementation="eager")
-    classifier = BertForSequenceClassification(config).eval()
+    shape = {"vocab_size": 100, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "intermediate_size": 64, "max_position_embeddings": 32, "num_labels": 3, "attn_implementation": "eager"}
+    if family == "electra":
+        return ElectraForSequenceClassification(ElectraConfig(**shape, embedding_size=16)).eval()
+    return BertForSequenceClassification(BertConfig(**shape)).eval()
+
+
+@pytest.mark.parametrize("family", ["bert", "electra"])
+def test_mean_pooling_is_the_mean_of_the_stock_last_layer_over_the_real_tokens(family):
+    """classify(..., pooling="mean") reads the mean of BertModel's (ElectraModel's) last hidden states over each
+    row's real tokens (padding left out), then the classifier's dropout and linear layer (ELECTRA's head): the
+    same logits and gradients as that computed from the stock forward, on padded rows."""
+    classifier = stock_classifier(family)
     lengths = torch.tensor([12, 5, 9, 2])
     attention_mask = (torch.arange(12)[None] < lengths[:, None]).long()
     input_ids = torch.randint(5, 100, (4, 12)) * attention_mask
-    hidden = classifier.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    stock = classifier.classifier((hidden * attention_mask[..., None]).sum(1) / lengths[:, None])
+    hidden = classifier.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    mean = (hidden * attention_mask[..., None]).sum(1) / lengths[:, None]
+    stock = classifier.classifier(mean[:, None] if family == "electra" else mean)
     stock.square().sum().backward()
     stock_grads = {n: p.grad.clone() for n, p in classifier.named_parameters() if p.grad is not None}
     classifier.zero_grad()
@@ -216,15 +226,12 @@ def test_mean_pooling_is_the_mean_of_the_stock_last_layer_over_the_real_tokens()
         torch.testing.assert_close(classifier.get_parameter(name).grad, grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_classify_gives_the_stock_classifier_logits_and_gradients_on_padded_rows():
-    """model.classify (real tokens only, the last layer at [CLS]) is BertForSequenceClassification's forward: the
-    same logits and the same gradients, in fp32, for rows of different lengths and for rows without padding."""
-    from transformers import BertConfig, BertForSequenceClassification
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=32, num_labels=3,
-                        attn_implementation="eager")
-    classifier = BertForSequenceClassification(config).eval()
+@pytest.mark.parametrize("family", ["bert", "electra"])
+def test_classify_gives_the_stock_classifier_logits_and_gradients_on_padded_rows(family):
+    """model.classify (real tokens only, the last layer at [CLS]) is BertForSequenceClassification's (and
+    ElectraForSequenceClassification's) forward: the same logits and the same gradients, in fp32, for rows of
+    different lengths and for rows without padding."""
+    classifier = stock_classifier(family)
     lengths = torch.tensor([12, 5, 9, 2])
     attention_mask = (torch.arange(12)[None] < lengths[:, None]).long()
     input_ids = torch.randint(5, 100, (4, 12)) * attention_mask

@@ -364,7 +364,9 @@ def bad_input_cases(tmp_path):
             (["--lr", "-1"], "--lr: -1 is out of range (allowed: x >= 0)"),
             (["--dropout", "1"], "--dropout: 1 is out of range"), (["--seed", "-1"], "--seed: -1 is out of range"),
             (["--epochs", "two"], "--epochs: 'two' is not an integer"),
-            (["--model-size", "huge"], "invalid choice")]
+            (["--model-size", "huge"], "invalid choice"),
+            (["--generator-size", "0.5"], "--generator-size applies to --objective electra only, not nsp"),
+            (["--objective", "electra", "--generator-size", "2"], "makes the generator wider than the model")]
 
 
 # Run end to end (exit code 2, one line on stderr, no traceback): one case of each place an input error is
@@ -427,7 +429,7 @@ def test_fp16_overflow_step_is_reported_and_leaves_the_weights(corpus, tokenizer
     for init_scale, skipped in ((float("inf"), True), (1.0, False)):  # every gradient x inf overflows
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
         trainer = P.Trainer(model, model, optimizer, scaler, contextlib.nullcontext())
-        overflowed = P.train_step(trainer, [batch], masked, 4, 1, 1.0, 1e-3).skipped
+        overflowed = P.train_step(trainer, [batch], (masked, 4), 1, 1.0, 1e-3).skipped
         assert bool(overflowed) == skipped  # a device tensor: read here, in the loop only at log steps
         unchanged = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
         assert unchanged == skipped
@@ -449,7 +451,7 @@ def test_clipping_bounds_the_applied_gradient_measured_unscaled(corpus, tokenize
             before = [p.detach().clone() for p in model.parameters()]
             scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale or 1.0, enabled=loss_scale is not None)
             trainer = P.Trainer(model, model, torch.optim.SGD(model.parameters()), scaler, contextlib.nullcontext())
-            raw_norm = P.train_step(trainer, [batch], masked, 4, 1, clip, 1.0).grad_norm
+            raw_norm = P.train_step(trainer, [batch], (masked, 4), 1, clip, 1.0).grad_norm
             applied = sum(float(((p.detach() - b) ** 2).sum()) for p, b in zip(model.parameters(), before,
                                                                                  strict=True)) ** 0.5
             found[loss_scale, clip] = float(raw_norm), applied
