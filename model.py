@@ -8,10 +8,15 @@ The model of pretrain_ddp.py, in a file of its own to copy into another repo: a 
     batch, counts = model.prepare(model.sparse_targets(collated_batch), device)
     mlm_loss_sum, mlm_correct, nsp_loss_sum, nsp_correct = net(**batch)
 
-Top to bottom: the sizes and the model's construction, the packed and unpadded forward (Pretraining), its input
-contract (sparse_targets, the collate function that turns a batch of data_stream.py's into what the forward
-reads; prepare, which puts it on the device), its FLOPs and the peak of the GPU that runs them (MFU). It
-needs torch and transformers only.
+ELECTRA (--objective electra): model_from(new_architecture("tiny", ..., generator_size=0.25), "electra", 0.0) is
+an ElectraPair, a stock ElectraForPreTraining and ElectraForMaskedLM sharing their embeddings, which
+Pretraining trains by replaced-token detection; its sums are (generator MLM loss, correct, discriminator loss,
+correct over the real tokens).
+
+Top to bottom: the sizes and the model's construction, the packed and unpadded forward (Pretraining; ELECTRA's
+replaced_token_detection and its sampler), classify (fine-tuning's forward), its input contract (sparse_targets,
+the collate function that turns a batch of data_stream.py's into what the forward reads; prepare, which puts it
+on the device), its FLOPs and the peak of the GPU that runs them (MFU). It needs torch and transformers only.
 """
 import os
 import re
@@ -202,13 +207,11 @@ class SoftmaxCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets):
-        shifted = logits - logits.amax(-1, keepdim=True)
-        probs = shifted.exp()
-        total = probs.sum(-1, keepdim=True)
-        probs /= total
+        log_probs = F.log_softmax(logits, -1)  # one fused pass, as cross_entropy's
+        probs = log_probs.exp()
         real = targets >= 0
         index = targets.clamp(min=0)[:, None]
-        loss = ((total.log() - shifted.gather(1, index)).squeeze(1) * real).sum()
+        loss = -(log_probs.gather(1, index).squeeze(1) * real).sum()
         ctx.save_for_backward(probs, index, real)
         ctx.mark_non_differentiable(probs)
         return loss, probs
