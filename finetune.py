@@ -443,7 +443,7 @@ def load_source(kind, folder, random_init):
             meta = loaded["meta"]
             architecture = meta["config"]["architecture"]
             body = "bert."
-            if meta["config"]["objective"] == "electra":  # the discriminator: what ELECTRA fine-tunes
+            if meta["config"].get("objective") == "electra":  # the discriminator: what ELECTRA fine-tunes
                 architecture = {k: v for k, v in architecture.items() if k != "generator"}
                 body = "discriminator.electra."
             config = (ElectraConfig if body != "bert." else BertConfig)(**architecture)

@@ -372,8 +372,8 @@ def train(model, ranks, parts_of):
         everything = step_batches(step)
         g_masked = sum(int((b["labels"] != -100).sum()) for b in everything)
         window = [M.prepare(M.sparse_targets(dict(b)), device)[0] for b in parts_of(everything)]
-        sums = P.train_step(P.Trainer(model, model, opt, scaler, amp), window, g_masked, BATCH * world, ranks, 1.0,
-                            0.05).sums
+        sums = P.train_step(P.Trainer(model, model, opt, scaler, amp), window, (g_masked, BATCH * world), ranks,
+                            1.0, 0.05).sums
         local = torch.tensor([float(sums[0])], dtype=torch.float64, device=device)  # nccl: on the GPU
         if ranks > 1:
             dist.all_reduce(local)

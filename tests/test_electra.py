@@ -16,7 +16,6 @@ from conftest import (
     crash_at,
     final_weights,
     logged,
-    plain,
     run,
     run_main,
     same_weights,
@@ -28,6 +27,7 @@ from test_finetune import river_rows, write_rows
 
 import finetune
 import model as M
+import pretrain_ddp as P
 
 
 def stock_sums(pair, raw, seed):
@@ -184,29 +184,33 @@ def test_finetune_trains_the_discriminator_of_a_run_and_of_its_export(electra_ru
 
 
 @pytest.mark.slow
-def test_init_from_keeps_to_its_objective_and_electra_continues_its_own(electra_run, corpus, tok_dir, tmp_path):
+def test_init_from_keeps_to_its_objective_and_electra_continues_its_own(electra_run, corpus, tok_dir, tokenizer,
+                                                                         tmp_path):
     """--init-from an electra run's hf/ (both models) starts an electra run from its weights; a BERT source for
-    electra, an ELECTRA for mlm, and an hf/ without its generator are one line each, exit code 2."""
+    electra, an ELECTRA for mlm, and an hf/ without its generator are one line each (found where the run is
+    decided: plan_run, as for every bad input)."""
+    from transformers import BertConfig, BertForMaskedLM
     out, _ = electra_run
     cont = str(tmp_path / "cont")
     run_main("--corpus", corpus, "--init-from", os.path.join(out, "hf"), "--objective", "electra", *FAST,
              "--eval-corpus", "none", "--out-dir", cont, "--max-steps", "1", "--lr", "0")
     assert all(torch.equal(v, final_weights(out)[k]) for k, v in final_weights(cont).items())
     bert = str(tmp_path / "bert")
-    run_main(*common(corpus, tok_dir, bert), "--objective", "mlm", "--max-steps", "1")
+    BertForMaskedLM(BertConfig(**M.new_architecture("tiny", len(tokenizer), 32, 0))).save_pretrained(bert)
     lone = tmp_path / "lone"
+    lone.mkdir()
     for name in os.listdir(os.path.join(out, "hf")):
         if name != "generator":
-            os.makedirs(lone, exist_ok=True)
             os.link(os.path.join(out, "hf", name), lone / name)
     cases = [(["--init-from", bert, "--objective", "electra"], "holds a BERT model, which --objective electra"),
              (["--init-from", out, "--objective", "mlm"], "holds an ELECTRA model, which --objective mlm"),
              (["--init-from", str(lone), "--objective", "electra"], "has no generator/ beside its discriminator")]
-    results = wait_for([Launch(plain("--corpus", corpus, *FAST, "--out-dir", str(tmp_path / f"x{i}"), *extra))
-                        for i, (extra, _) in enumerate(cases)], timeout=300)  # at once: each imports torch
-    for (extra, message), result in zip(cases, results, strict=True):
-        lines = result.stderr.strip().splitlines()
-        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], (extra, result.stderr)
+    for extra, message in cases:
+        with pytest.raises(P.USER_ERRORS) as error:
+            args = P.parse_args(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "x"), *extra])
+            P.validate(args)
+            P.plan_run(args, torch.device("cpu"), None, P.Rank0Only())
+        assert message in str(error.value) and len(str(error.value).splitlines()) == 1, (extra, error.value)
 
 
 @pytest.mark.slow
