@@ -442,11 +442,11 @@ def load_source(kind, folder, random_init):
         try:
             meta = loaded["meta"]
             architecture = meta["config"]["architecture"]
-            body = "bert."
+            config_class, body = BertConfig, "bert."
             if meta["config"].get("objective") == "electra":  # the discriminator: what ELECTRA fine-tunes
                 architecture = {k: v for k, v in architecture.items() if k != "generator"}
-                body = "discriminator.electra."
-            config = (ElectraConfig if body != "bert." else BertConfig)(**architecture)
+                config_class, body = ElectraConfig, "discriminator.electra."
+            config = config_class(**architecture)
             weights = {k.removeprefix(body): v for k, v in loaded["trainer.pt"]["model"].items() if k.startswith(body)}
         except (KeyError, TypeError) as e:
             fail(f"MODEL {folder} is not a checkpoint of pretrain_ddp.py (it lacks {e})")
