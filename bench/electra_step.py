@@ -22,7 +22,9 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-import data_stream  # noqa: E402
+sys.path.insert(0, HERE)
+from profile_step import builtin_batches  # noqa: E402
+
 import model as M  # noqa: E402
 import pretrain_ddp as P  # noqa: E402
 
@@ -44,16 +46,7 @@ def parse_args():
 def main():
     args = parse_args()
     torch.set_num_threads(args.threads)
-    tokenizer = data_stream.get_tokenizer(None, data_stream.open_corpus("builtin", "train", "mlm"), args.vocab_size)
-    settings = data_stream.StreamSettings(max_seq_len=args.max_seq_len, batch_size=args.batch_size, objective="mlm")
-    stream = data_stream.BertPretrainStream("builtin", tokenizer, settings, rank=0, world_size=1)
-    cpu = torch.device("cpu")
-    batches = []
-    for raw in stream:
-        raw.pop("cursor")
-        batches.append(M.prepare(M.sparse_targets(raw), cpu))
-        if len(batches) == args.steps + 1:
-            break
+    tokenizer, batches = builtin_batches(args.vocab_size, args.max_seq_len, args.batch_size, args.steps + 1)
     tokens = sum(counts["num_tokens"] for _, counts in batches[1:])
     print(f"batch {args.batch_size} x {args.max_seq_len}, vocab {len(tokenizer)}, {args.threads} thread(s), "
           f"generator {args.generator_size} of the width; {args.rounds} rounds of {args.steps} steps an arm\n")

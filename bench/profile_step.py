@@ -63,19 +63,26 @@ def parse_args():
     return p.parse_args()
 
 
-def main():
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    tokenizer = data_stream.get_tokenizer(None, data_stream.open_corpus("builtin", "train", "mlm"), args.vocab_size)
-    settings = data_stream.StreamSettings(max_seq_len=args.max_seq_len, batch_size=args.batch_size, objective="mlm")
+def builtin_batches(vocab_size, max_seq_len, batch_size, count):
+    """(tokenizer, the first `count` packed mlm batches of builtin as the trainer's step reads them, with counts)."""
+    tokenizer = data_stream.get_tokenizer(None, data_stream.open_corpus("builtin", "train", "mlm"), vocab_size)
+    settings = data_stream.StreamSettings(max_seq_len=max_seq_len, batch_size=batch_size, objective="mlm")
     stream = data_stream.BertPretrainStream("builtin", tokenizer, settings, rank=0, world_size=1)
-    cpu = torch.device("cpu")
     batches = []
     for raw in stream:
         raw.pop("cursor")
-        batches.append(M.prepare(M.sparse_targets(raw), cpu))
-        if len(batches) == args.warmup + args.steps + args.profile_steps:
+        batches.append(M.prepare(M.sparse_targets(raw), torch.device("cpu")))
+        if len(batches) == count:
             break
+    return tokenizer, batches
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer, batches = builtin_batches(args.vocab_size, args.max_seq_len, args.batch_size,
+                                         args.warmup + args.steps + args.profile_steps)
+    cpu = torch.device("cpu")
     torch.manual_seed(0)
     architecture = M.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id)
     model = M.Pretraining(M.model_from(architecture, "mlm", args.dropout))
