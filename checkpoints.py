@@ -289,37 +289,54 @@ def init_source(path):
                 model_type = json.load(f).get("model_type")
         except (OSError, ValueError, AttributeError) as e:
             fail(f"--init-from {path}: its config.json cannot be read ({e})")
-        if model_type not in ("bert", "electra"):
-            fail(f"--init-from {path} holds a {model_type} model; this script trains BERT and ELECTRA (model_type "
-                 "bert or electra)")
+        if model_type not in FAMILIES:
+            fail(f"--init-from {path} holds a {model_type} model; this script trains BERT, ELECTRA and ModernBERT "
+                 "(model_type bert, electra or modernbert)")
         has_tokenizer = any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "vocab.txt"))
         return "hf", path, path if has_tokenizer else None
     fail(f"--init-from {path} is not a checkpoint folder, a run's out dir or a Hugging Face BERT folder "
          "(config.json + weights)")
 
 
-def source_is_electra(kind, folder):
-    """Whether --init-from's folder (kind as init_source says) holds an ELECTRA (a checkpoint of an electra run,
-    or an hf folder of model_type electra); None where its files cannot tell (loading them says why)."""
+FAMILIES = {"bert": "a BERT", "electra": "an ELECTRA", "modernbert": "a ModernBERT"}
+
+
+def source_family(kind, folder):
+    """What --init-from's folder (kind as init_source says) holds: bert, electra (a checkpoint of an electra run,
+    or an hf folder of model_type electra) or modernbert; None where its files cannot tell (loading them says
+    why)."""
     try:
         if kind == "checkpoint":
             with open(os.path.join(folder, "manifest.json")) as f:
-                return json.load(f)["meta"]["config"]["objective"] == "electra"
+                config = json.load(f)["meta"]["config"]
+            return "electra" if config["objective"] == "electra" else config["architecture"].get("arch", "bert")
         with open(os.path.join(folder, "config.json")) as f:
-            return json.load(f)["model_type"] == "electra"
-    except (OSError, ValueError, KeyError, TypeError):
+            return json.load(f)["model_type"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def load_init(kind, folder, objective, seed):
+def check_family(kind, folder, objective, arch):
+    """One line and exit when --init-from's model is not what --objective and --arch train (arch None: the
+    source's); returns the arch to train."""
+    family = source_family(kind, folder)
+    source_arch = "modernbert" if family == "modernbert" and objective == "mlm" else "bert"  # ModernBERT: mlm only
+    wanted = "electra" if objective == "electra" else arch or source_arch
+    if family not in (None, wanted):
+        flags = f"--objective {objective}" + (f" --arch {arch}" if arch else "")
+        give = {"electra": "--objective electra", "bert": "--objective mlm or nsp (--arch bert)",
+                "modernbert": "--arch modernbert --objective mlm"}[family]
+        fail(f"--init-from {folder} holds {FAMILIES[family]} model, which {flags} cannot start from: give {give}, "
+             "or --init-from a run of these flags")
+    return "modernbert" if wanted == "modernbert" else "bert"
+
+
+def load_init(kind, folder, objective, seed, arch=None):
     """The source's weights as this run's model holds them: (state_dict, architecture, notes)."""
-    from transformers import BertForMaskedLM, BertForPreTraining
+    from transformers import BertForMaskedLM, BertForPreTraining, ModernBertForMaskedLM
     from transformers.utils import logging as hf_logging
     torch.manual_seed(seed)  # fresh heads: the same on every rank
-    if source_is_electra(kind, folder) not in (None, objective == "electra"):
-        source, wanted = ("an ELECTRA", "--objective electra") if objective != "electra" else ("a BERT", "mlm or nsp")
-        fail(f"--init-from {folder} holds {source} model, which --objective {objective} cannot start from: give "
-             f"{wanted}, or --init-from a run of this objective")
+    arch = check_family(kind, folder, objective, arch)
     if kind == "checkpoint":
         loaded, problem = read_checkpoint(folder)
         if loaded is None:
@@ -335,20 +352,28 @@ def load_init(kind, folder, objective, seed):
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report: the notes below say what matters, in one line
         hf_logging.disable_progress_bar()
+        model_class = ModernBertForMaskedLM if arch == "modernbert" else \
+            BertForPreTraining if objective == "nsp" else BertForMaskedLM
         try:
-            model, info = (BertForPreTraining if objective == "nsp" else BertForMaskedLM).from_pretrained(
-                folder, dtype=torch.float32, output_loading_info=True)
+            model, info = model_class.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
         except (OSError, ValueError) as e:
             fail(f"--init-from {folder} cannot be loaded: {str(e).strip().splitlines()[0]}")
         finally:
             hf_logging.set_verbosity(verbosity)
         missing, unexpected = info["missing_keys"], info["unexpected_keys"]
-        keep = set(new_architecture("tiny", 1, 1, 0)) | {"hidden_act", "type_vocab_size", "layer_norm_eps",
-                                                          "initializer_range", "position_embedding_type"}
+        # what a run's config keeps: the fields a fresh model of the same family sets, and those that shape its math
+        keep = set(new_architecture("tiny", 1, 1, 0, arch=arch)) | {
+            "hidden_act", "type_vocab_size", "layer_norm_eps", "initializer_range", "position_embedding_type",
+            "hidden_activation", "norm_eps", "norm_bias", "attention_bias", "mlp_bias", "decoder_bias",
+            "classifier_activation", "layer_types", "rope_parameters"}
         architecture = {k: v for k, v in model.config.to_dict().items() if k in keep}
-    body = sorted(k for k in missing if not k.startswith(HEADS))
+        if arch == "modernbert":
+            architecture["arch"] = "modernbert"
+    heads = ("head.", "decoder.") if arch == "modernbert" else HEADS
+    body = sorted(k for k in missing if not k.startswith(heads))
     if body:
-        fail(f"--init-from {folder} lacks {len(body)} weights of the BERT body (e.g. {body[0]}); is it a BERT model?")
+        fail(f"--init-from {folder} lacks {len(body)} weights of the model's body (e.g. {body[0]}); is it "
+             f"{FAMILIES[arch]} model?")
     notes = []
     if any(k.startswith("cls.predictions.transform") for k in missing):
         notes.append("the MLM head starts fresh (the source has none)")

@@ -1,7 +1,7 @@
 """
 Score pretrained BERT models downstream: fine-tune on a classification task, once per seed, and report the test
 accuracy (mean and standard deviation over the seeds) of a run's latest checkpoint, of every checkpoint, or of any
-Hugging Face BERT or ELECTRA folder (an electra run: its discriminator).
+Hugging Face BERT, ELECTRA or ModernBERT folder (an electra run: its discriminator).
 
     python finetune.py runs/<name> --task polarity                 # the run's latest checkpoint, 3 seeds
     python finetune.py runs/<name> --task r8 --every-checkpoint    # accuracy against pretraining time (+ a PNG)
@@ -11,7 +11,8 @@ Hugging Face BERT or ELECTRA folder (an electra run: its discriminator).
     tensorboard --logdir runs                                      # finetune/<task>/accuracy beside the run's loss
 
 MODEL: a run's out dir (its latest checkpoint; --every-checkpoint: each one, in step order), a checkpoint folder
-(<out>/checkpoints/step_000400), or a Hugging Face BERT or ELECTRA folder (config.json + weights, e.g. <out>/hf).
+(<out>/checkpoints/step_000400), or a Hugging Face BERT, ELECTRA or ModernBERT folder (config.json + weights, e.g.
+<out>/hf).
 
 --task:
   polarity   Rotten Tomatoes sentences, positive/negative (Pang and Lee's data that SST-2 was built from), split
@@ -107,7 +108,7 @@ def parse_args(argv=None):
     p = data_stream.Parser(prog="finetune.py", description=__doc__.split("\nTop to bottom")[0],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", metavar="MODEL",
-                   help="a run's out dir, a checkpoint folder or a Hugging Face BERT or ELECTRA folder")
+                   help="a run's out dir, a checkpoint folder or a Hugging Face BERT, ELECTRA or ModernBERT folder")
     p.add_argument("--task", default="polarity", help="polarity, r8, FILE (.csv/.tsv/.jsonl) or glue/NAME (above)")
     p.add_argument("--eval-file", default=None, help="FILE's test set (same columns); default: --test-fraction of FILE")
     p.add_argument("--test-fraction", type=number(float, 0, 1, low_open=True, high_open=True), default=0.1,
@@ -415,7 +416,7 @@ def resolve_model(args):
     """(kind, the folders to score in order, MODEL's tokenizer folder or None, its run's out dir or None)."""
     if not os.path.isdir(args.model):
         fail(f"MODEL {args.model} is not a folder: give a run's out dir, a checkpoint folder or a Hugging Face "
-               "BERT or ELECTRA folder")
+               "BERT, ELECTRA or ModernBERT folder")
     try:
         kind, folder, tokenizer = checkpoints.init_source(args.model)
     except checkpoints.CheckpointError as e:  # its wording is --init-from's: here the path is MODEL
@@ -433,7 +434,7 @@ def resolve_model(args):
 def load_source(kind, folder, random_init):
     """The model in folder (kind: checkpoint or hf, as checkpoints.init_source says); a checkpoint's step and
     training time."""
-    from transformers import AutoConfig, AutoModel, BertConfig, ElectraConfig
+    from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, BertConfig, ElectraConfig, ModernBertConfig
     from transformers.utils import logging as hf_logging
     if kind == "checkpoint":
         loaded, problem = checkpoints.read_checkpoint(folder)
@@ -446,8 +447,15 @@ def load_source(kind, folder, random_init):
             if meta["config"].get("objective") == "electra":  # the discriminator: what ELECTRA fine-tunes
                 architecture = {k: v for k, v in architecture.items() if k != "generator"}
                 config_class, body = ElectraConfig, "discriminator.electra."
+            if architecture.get("arch") == "modernbert":  # its body and MLM head (the classifier's head reads it)
+                # the run's dropout, as its export's config.json has it (ModernBertConfig's default is 0)
+                dropout = {k: meta["config"]["dropout"] for k in ("embedding_dropout", "attention_dropout",
+                                                                  "mlp_dropout")}
+                architecture = {**{k: v for k, v in architecture.items() if k != "arch"}, **dropout}
+                config_class, body = ModernBertConfig, ("model.", "head.")
             config = config_class(**architecture)
-            weights = {k.removeprefix(body): v for k, v in loaded["trainer.pt"]["model"].items() if k.startswith(body)}
+            weights = {k.removeprefix(body if isinstance(body, str) else ""): v
+                       for k, v in loaded["trainer.pt"]["model"].items() if k.startswith(body)}
         except (KeyError, TypeError) as e:
             fail(f"MODEL {folder} is not a checkpoint of pretrain_ddp.py (it lacks {e})")
         if random_init:
@@ -456,12 +464,15 @@ def load_source(kind, folder, random_init):
     hf_logging.disable_progress_bar()  # this script's progress line is the only one
     try:
         with quiet(hf_logging):
+            config = AutoConfig.from_pretrained(folder)
             if random_init:
-                return Source(folder, AutoConfig.from_pretrained(folder), None)
-            model, info = AutoModel.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+                return Source(folder, config, None)
+            # ModernBERT: the MLM's body and head (ModernBertForSequenceClassification's head is the MLM's)
+            auto = AutoModelForMaskedLM if config.model_type == "modernbert" else AutoModel
+            model, info = auto.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     except Exception as e:  # transformers raises many types for a folder it cannot load
         fail(f"MODEL {folder} cannot be loaded: {first_line(e)}")
-    missing = set(info["missing_keys"])
+    missing = set(info["missing_keys"]) | {"decoder.weight", "decoder.bias"}  # ModernBERT's vocabulary projection
     return Source(folder, model.config, {k: v for k, v in model.state_dict().items() if k not in missing})
 
 
@@ -480,21 +491,29 @@ def recipe_for(args, config):
     return size, recipe
 
 
-def new_classifier(source, labels, seed):
-    """BertForSequenceClassification (ElectraForSequenceClassification for an ELECTRA) with source's weights;
-    its classifier (and a pooler the source lacks) initialised by seed."""
-    from transformers import BertForSequenceClassification, ElectraForSequenceClassification
+def new_classifier(source, labels, seed, pooling="cls"):
+    """BertForSequenceClassification (ElectraForSequenceClassification for an ELECTRA, ModernBert's for a
+    ModernBERT) with source's weights; its classifier (and a pooler the source lacks) initialised by seed."""
+    from transformers import (
+        BertForSequenceClassification,
+        ElectraForSequenceClassification,
+        ModernBertForSequenceClassification,
+    )
     torch.manual_seed(seed)
     config = type(source.config).from_dict({**source.config.to_dict(), "id2label": dict(enumerate(labels)),
-                                            "label2id": {name: i for i, name in enumerate(labels)}})
-    electra = config.model_type == "electra"
-    model = (ElectraForSequenceClassification if electra else BertForSequenceClassification)(config)
+                                            "label2id": {name: i for i, name in enumerate(labels)},
+                                            "classifier_pooling": pooling})  # what ModernBert's reads
+    classes = {"electra": ElectraForSequenceClassification, "modernbert": ModernBertForSequenceClassification}
+    model = classes.get(config.model_type, BertForSequenceClassification)(config)
     if source.weights is not None:
-        missing, unexpected = model.base_model.load_state_dict(source.weights, strict=False)
-        body = [k for k in missing if not k.startswith("pooler.")]
+        # ModernBERT's weights are the MLM's body and head, named as the classifier names them
+        modern = config.model_type == "modernbert"
+        missing, unexpected = (model if modern else model.base_model).load_state_dict(source.weights, strict=False)
+        body = [k for k in missing if not k.startswith("classifier." if modern else "pooler.")]
         if body or unexpected:
-            fail(f"MODEL {source.path} does not fit its own config: {len(body)} BERT weights missing, "
-                   f"{len(unexpected)} unexpected (e.g. {(body + unexpected)[0]}); is it a BERT or ELECTRA model?")
+            fail(f"MODEL {source.path} does not fit its own config: {len(body)} of its body's weights missing, "
+                   f"{len(unexpected)} unexpected (e.g. {(body + unexpected)[0]}); is it a BERT, ELECTRA or "
+                   "ModernBERT model?")
     return model
 
 
@@ -606,7 +625,7 @@ def macro_f1(predicted, labels):
 def finetune(source, data, labels, recipe, seed, device, label):
     """One fine-tuning of source with seed; its scores: test accuracy (macro-F1 for > 2 labels), dev accuracy."""
     start = time.perf_counter()
-    model = new_classifier(source, labels, seed).to(device)
+    model = new_classifier(source, labels, seed, recipe.pooling).to(device)
     generator = torch.Generator().manual_seed(seed)
     lengths = [len(ids) for ids in data.train.ids]
     epochs = [epoch_batches(lengths, recipe.batch_size, generator) for _ in range(recipe.epochs)]
@@ -758,8 +777,9 @@ def main(argv=None):
     data = encode_task(task, args, tokenizer, recipe.max_len)
     sizes = {split: len(part.ids) if part else 0 for split, part in (("train", data.train), ("dev", data.dev),
                                                                      ("test", data.test))}
-    family = "ELECTRA" if first.config.model_type == "electra" else "BERT"  # ELECTRA's head has no pooler
-    pooler = family == "ELECTRA" or first.weights is None or any(k.startswith("pooler.") for k in first.weights)
+    family = {"electra": "ELECTRA", "modernbert": "ModernBERT"}.get(first.config.model_type, "BERT")
+    # ELECTRA's and ModernBERT's heads have no pooler (ModernBERT's is its MLM's dense and LayerNorm)
+    pooler = family != "BERT" or first.weights is None or any(k.startswith("pooler.") for k in first.weights)
     if recipe.pooling == "cls" and not pooler:
         warn(f"note: MODEL {args.model} has no pooler (an mlm run's): it starts fresh, seeded like the classifier")
     if args.random_init:

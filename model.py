@@ -13,10 +13,15 @@ an ElectraPair, a stock ElectraForPreTraining and ElectraForMaskedLM sharing the
 Pretraining trains by replaced-token detection; its sums are (generator MLM loss, correct, discriminator loss,
 correct over the real tokens).
 
+ModernBERT (--arch modernbert): new_architecture("tiny", ..., arch="modernbert") makes a stock
+ModernBertForMaskedLM, which Pretraining trains by mlm as it does BERT (encode_modern: pre-LayerNorm, GeGLU, RoPE
+at each sequence's positions, the local layers' band inside each sequence, every layer on the real tokens only).
+
 Top to bottom: the sizes and the model's construction, the packed and unpadded forward (Pretraining; ELECTRA's
-replaced_token_detection and its sampler), classify (fine-tuning's forward), its input contract (sparse_targets,
-the collate function that turns a batch of data_stream.py's into what the forward reads; prepare, which puts it
-on the device), its FLOPs and the peak of the GPU that runs them (MFU). It needs torch and transformers only.
+replaced_token_detection and its sampler), classify (fine-tuning's forward), BERT's and ModernBERT's encoders
+(encode, encode_modern), its input contract (sparse_targets, the collate function that turns a batch of
+data_stream.py's into what the forward reads; prepare, which puts it on the device), its FLOPs and the peak of
+the GPU that runs them (MFU). It needs torch and transformers only.
 """
 import os
 import re
@@ -31,6 +36,18 @@ import torch.nn.functional as F
 MODEL_SIZES = {"tiny": (2, 128, 2), "mini": (4, 256, 4), "small": (4, 512, 8),
                "medium": (8, 512, 8), "base": (12, 768, 12), "large": (24, 1024, 16)}
 
+# ModernBERT (--arch modernbert; Warner et al. 2024) at a BERT size's name: the same layers, width and heads, and
+# a GeGLU whose three matrices hold as many weights as BERT's two-matrix feed-forward (8/3 x hidden a branch, as
+# LLaMA sizes its SwiGLU; to a multiple of 16), so that a name means about BERT's parameters and FLOPs. Its
+# attention: a band of 128 tokens (64 each side) in every layer but each third (global, from the first on).
+GLOBAL_EVERY = 3
+LOCAL_WINDOW = 128
+
+
+def glu_width(hidden):
+    return 16 * round(8 * hidden / 3 / 16)
+
+
 # ELECTRA (Clark et al. 2020): the generator's width as a fraction of the discriminator's (the paper found 1/4 to
 # 1/2 best: a stronger generator makes the task too hard), and the weight of the discriminator's mean loss in the
 # sum that trains both (the paper's 50: its per-token binary loss is ~50x smaller than the generator's MLM loss)
@@ -38,10 +55,19 @@ GENERATOR_SIZE = 0.25
 DISC_WEIGHT = 50.0
 
 
-def new_architecture(model_size, vocab_size, max_seq_len, pad_id, generator_size=None):
+def new_architecture(model_size, vocab_size, max_seq_len, pad_id, generator_size=None, arch="bert"):
     """The BertConfig fields (no dropout) of a model built from scratch; runs keep them in their config. With a
-    generator_size (ELECTRA): ElectraConfig's, the discriminator's at model_size plus the generator's shape."""
+    generator_size (ELECTRA): ElectraConfig's, the discriminator's at model_size plus the generator's shape.
+    arch "modernbert": ModernBertConfig's, with "arch" to tell them apart."""
     layers, hidden, heads = MODEL_SIZES[model_size]
+    if arch == "modernbert":
+        # RoPE has no table of positions: 8,192 (ModernBERT's) is only what the config promises; no [CLS] or
+        # [SEP] ids (the model reads none; its defaults would name tokens past a small vocabulary)
+        return {"arch": "modernbert", "vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
+                "num_attention_heads": heads, "intermediate_size": glu_width(hidden),
+                "max_position_embeddings": max(8192, max_seq_len), "pad_token_id": pad_id,
+                "bos_token_id": None, "eos_token_id": None, "cls_token_id": None, "sep_token_id": None,
+                "global_attn_every_n_layers": GLOBAL_EVERY, "local_attention": LOCAL_WINDOW}
     architecture = {"vocab_size": vocab_size, "hidden_size": hidden, "num_hidden_layers": layers,
                     "num_attention_heads": heads, "intermediate_size": 4 * hidden,
                     "max_position_embeddings": max(512, max_seq_len), "pad_token_id": pad_id}
@@ -62,16 +88,28 @@ def size_name(architecture):
     """'tiny' .. 'large' for the sizes of MODEL_SIZES, else e.g. '6L-384H-12A'."""
     a = architecture
     shape = (a["num_hidden_layers"], a["hidden_size"], a["num_attention_heads"])
+    modern = "modernbert" in (a.get("arch"), a.get("model_type"))  # a run's architecture or a config's dict
+    feed_forward = glu_width(a["hidden_size"]) if modern else 4 * a["hidden_size"]
     for name, size in MODEL_SIZES.items():
-        if size == shape and a.get("intermediate_size", 4 * a["hidden_size"]) == 4 * a["hidden_size"]:
+        if size == shape and a.get("intermediate_size", feed_forward) == feed_forward:
             return name
     return "{}L-{}H-{}A".format(*shape)
 
 
+def family_name(architecture):
+    return "ModernBERT" if architecture.get("arch") == "modernbert" else \
+        "ELECTRA" if "generator" in architecture else "BERT"
+
+
 def model_from(architecture, objective, dropout):
-    """A fresh BertForPreTraining (nsp), BertForMaskedLM (mlm) or ElectraPair (electra) of that architecture
-    (seed torch first)."""
+    """A fresh BertForPreTraining (nsp), BertForMaskedLM (mlm), ElectraPair (electra) or ModernBertForMaskedLM
+    (an architecture of arch modernbert, mlm) of that architecture (seed torch first)."""
     from transformers import BertConfig, BertForMaskedLM, BertForPreTraining  # here: data workers import this file
+    if architecture.get("arch") == "modernbert":
+        from transformers import ModernBertConfig, ModernBertForMaskedLM
+        fields = {k: v for k, v in architecture.items() if k != "arch"}
+        return ModernBertForMaskedLM(ModernBertConfig(**fields, embedding_dropout=dropout, attention_dropout=dropout,
+                                                      mlp_dropout=dropout))
     if objective == "electra":
         return ElectraPair(architecture, dropout)
     config = BertConfig(**{**architecture, "hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
@@ -155,6 +193,10 @@ class Pretraining(torch.nn.Module):
         order (real_pos: where those are in the flattened rows; None: every position is real)."""
         if sequence_ids is not None:
             attention_mask = sequence_ids[:, None, :, None] == sequence_ids[:, None, None, :]
+        if hasattr(self.hf, "model"):  # a ModernBertForMaskedLM: mlm only (no pooler, no NSP head)
+            x = encode_modern(self.hf.model, input_ids, masked_pos, attention_mask, position_ids, real_pos,
+                              self.training)
+            return self.hf.decoder(self.hf.head(x)).float(), None
         reads = masked_pos if cls_pos is None else torch.cat([masked_pos, cls_pos])
         x = encode(self.hf.bert, input_ids, token_type_ids, reads, attention_mask, position_ids, real_pos,
                    self.training)
@@ -244,7 +286,7 @@ def sample(probs, block=128):
 
 
 def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls"):
-    """A Hugging Face BertForSequenceClassification's (or ElectraForSequenceClassification's) logits, computed as
+    """A Hugging Face BertForSequenceClassification's (Electra's, ModernBert's) logits, computed as
     Pretraining computes its own: the real tokens only; attention_mask is a tokenizer's (rows, width) of 1s and
     0s. pooling "cls": the last layer only at each row's [CLS], through BERT's pooler or ELECTRA's head: the
     same math as classifier(...).logits (tests: 1e-5). "mean": the classifier reads the mean of the last layer
@@ -252,8 +294,9 @@ def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls
     every token's state is what its loss trained."""
     if pooling not in ("cls", "mean"):
         raise ValueError(f"pooling must be cls or mean, not {pooling!r}")
+    modern = hasattr(classifier, "model")  # a ModernBertForSequenceClassification (config.classifier_pooling)
     electra = hasattr(classifier, "electra")
-    body = classifier.electra if electra else classifier.bert
+    body = classifier.model if modern else classifier.electra if electra else classifier.bert
     lengths = attention_mask.sum(1)
     cls_pos = lengths.cumsum(0) - lengths  # each row's [CLS] among the real tokens
     real_pos = None
@@ -262,13 +305,18 @@ def classify(classifier, input_ids, token_type_ids, attention_mask, pooling="cls
         real_pos = attention_mask.flatten().nonzero().squeeze(1)
         mask = attention_mask.bool()[:, None, None, :]
     reads = cls_pos if pooling == "cls" else torch.arange(int(lengths.sum()), device=input_ids.device)
-    x = encode(body, input_ids, token_type_ids, reads, mask, None, real_pos, classifier.training)
+    if modern:
+        x = encode_modern(body, input_ids, reads, mask, None, real_pos, classifier.training)
+    else:
+        x = encode(body, input_ids, token_type_ids, reads, mask, None, real_pos, classifier.training)
     if pooling == "cls":
-        pooled = x if electra else body.pooler(x[:, None])  # the pooler reads position 0
+        pooled = x if electra or modern else body.pooler(x[:, None])  # the pooler reads position 0
     else:
         row = torch.repeat_interleave(torch.arange(len(lengths), device=x.device), lengths)
         sums = x.new_zeros(len(lengths), x.shape[1], dtype=torch.float32).index_add_(0, row, x.float())
         pooled = (sums / lengths.clamp(min=1)[:, None]).to(x.dtype)  # summed in fp32 under autocast too
+    if modern:  # its head (dense, gelu, LayerNorm), dropout, projection
+        return classifier.classifier(classifier.drop(classifier.head(pooled)))
     if electra:  # its head (dropout, dense, gelu, dropout, projection) reads position 0
         return classifier.classifier(pooled[:, None])
     return classifier.classifier(classifier.dropout(pooled))
@@ -307,6 +355,57 @@ def encoder_layer(layer, x, rows, real_pos, mask, training, reads=None):
         a, x = a.index_select(0, reads), x.index_select(0, reads)
     a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
     return layer.output(layer.intermediate(a), a)
+
+
+def encode_modern(body, input_ids, reads, attention_mask=None, position_ids=None, real_pos=None, training=False):
+    """A Hugging Face ModernBertModel's final (normed) states at reads, as encode computes BERT's: every layer on
+    the real tokens only, attention in the rows under attention_mask (4-D boolean; a row's sequences apart), RoPE
+    at position_ids (None: each row from 0; packed sequences restart at 0), the local layers' band of
+    config.sliding_window each side inside it (row distance is position distance within a sequence)."""
+    ids = input_ids.flatten() if real_pos is None else input_ids.flatten().index_select(0, real_pos)
+    x = body.embeddings(input_ids=ids)  # token embeddings, LayerNorm, dropout: of the real tokens
+    rows, width = input_ids.shape
+    positions = torch.arange(width, device=ids.device).repeat(rows) if position_ids is None else position_ids.flatten()
+    positions = positions if real_pos is None else positions.index_select(0, real_pos)
+    rope = {kind: body.rotary_emb(x, positions[None], kind) for kind in set(body.config.layer_types)}
+    near = torch.arange(width, device=ids.device)
+    band = (near[:, None] - near[None, :]).abs() <= body.config.sliding_window
+    # every position attends to itself at least: a padding position far from its row's tokens would have no key
+    # (torch's CPU kernels give such a row zeros; not every kernel promises that, and a NaN there would reach the
+    # real tokens' gradients through attention's backward)
+    local = band if attention_mask is None else (attention_mask & band) | (near[:, None] == near[None, :])
+    masks = {"full_attention": attention_mask, "sliding_attention": local}
+    *layers, last = body.layers
+    for layer in layers:
+        kind = layer.attention_type
+        x = modern_layer(layer, x, (rows, width), real_pos, masks[kind], rope[kind], training)
+    kind = last.attention_type
+    return body.final_norm(modern_layer(last, x, (rows, width), real_pos, masks[kind], rope[kind], training, reads))
+
+
+def modern_layer(layer, x, rows, real_pos, mask, rope, training, reads=None):
+    """A ModernBertEncoderLayer (pre-LayerNorm, rotary attention, GeGLU) on the real tokens x (n, hidden),
+    attention in the rows; with reads (indices into x) only those rows come out: the last layer."""
+    att = layer.attn
+    heads, size = att.config.num_attention_heads, att.head_dim
+    q, k, v = att.Wqkv(layer.attn_norm(x)).view(len(x), 3, heads, size).unbind(1)
+    cos, sin = (t[0, :, None, :] for t in rope)  # (n, 1, head size): each real token's angles
+
+    def rotate(t):  # transformers' apply_rotary_pos_emb, in fp32
+        half = t.float().chunk(2, -1)
+        return (t.float() * cos + torch.cat([-half[1], half[0]], -1) * sin).to(t.dtype)
+
+    def in_rows(t):  # (n, heads, head size) -> (rows, heads, width, head size), zeros at the padding
+        if real_pos is not None:
+            t = t.new_zeros(rows[0] * rows[1], *t.shape[1:]).index_copy(0, real_pos, t)
+        return t.view(*rows, heads, size).transpose(1, 2)
+    a = F.scaled_dot_product_attention(in_rows(rotate(q)), in_rows(rotate(k)), in_rows(v), attn_mask=mask,
+                                       dropout_p=att.attention_dropout if training else 0.0)
+    a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
+    if reads is not None:
+        a, x = a.index_select(0, reads), x.index_select(0, reads)
+    x = x + att.out_drop(att.Wo(a))
+    return x + layer.mlp(layer.mlp_norm(x))
 
 
 # ----------------------------------------------------------------------------- its input contract
@@ -353,10 +452,13 @@ def sparse_targets(batch):
 
 def counts_of(mask, sequence_ids, nsp_labels):
     """A batch's samples (pairs, or mlm rows), real tokens, positions in its rows and attention's (query,
-    key) pairs within a sample, sum of length^2 (the FLOPs of the real work, not of the padding)."""
+    key) pairs within a sample, sum of length^2 (the FLOPs of the real work, not of the padding), and those
+    pairs within ModernBERT's local band (LOCAL_WINDOW / 2 each side)."""
     lengths = mask.sum(1) if sequence_ids is None else torch.bincount(sequence_ids[sequence_ids >= 0])
+    near = (lengths - 1).clamp(min=0, max=LOCAL_WINDOW // 2)  # each side: L + 2 x sum over d <= near of (L - d)
     return {"num_samples": len(mask) if nsp_labels is None else len(nsp_labels), "num_tokens": int(lengths.sum()),
-            "num_computed": mask.numel(), "num_attended": int((lengths**2).sum())}
+            "num_computed": mask.numel(), "num_attended": int((lengths**2).sum()),
+            "num_attended_local": int((lengths + near * (2 * lengths - near - 1)).sum())}
 
 
 # --compile: these sizes vary. Marked dynamic, they are symbolic from the first compile on: one graph (two:
@@ -364,7 +466,8 @@ def counts_of(mask, sequence_ids, nsp_labels):
 DYNAMIC_DIMS = {"input_ids": (0, 1), "token_type_ids": (0, 1), "position_ids": (0, 1), "sequence_ids": (0, 1),
                 "attention_mask": (0, 3), "masked_pos": (0,), "masked_targets": (0,), "next_sentence_label": (0,),
                 "cls_pos": (0,), "real_pos": (0,)}
-COUNTS = ("num_samples", "num_masked", "num_tokens", "num_computed", "num_attended")  # host counts (counts_of)
+# host counts (counts_of)
+COUNTS = ("num_samples", "num_masked", "num_tokens", "num_computed", "num_attended", "num_attended_local")
 
 
 def prepare(batch, device, dynamic=False):
@@ -386,9 +489,12 @@ def train_flops(hf_model, counts):
     ELECTRA: the generator's encoder and head, and the discriminator's encoder and head on every token."""
     def encoder(config):
         layers, hidden = config.num_hidden_layers, config.hidden_size
-        per_token = 2 * layers * (4 * hidden * hidden + 2 * hidden * config.intermediate_size)
-        attention = 2 * layers * 2 * hidden * counts["num_attended"]  # QK^T and AV over (query, key) pairs
-        return counts["num_tokens"] * per_token + attention
+        matrices = 3 if config.model_type == "modernbert" else 2  # GeGLU: two in, one out
+        per_token = 2 * layers * (4 * hidden * hidden + matrices * hidden * config.intermediate_size)
+        # QK^T and AV over (query, key) pairs: ModernBERT's local layers over those within LOCAL_WINDOW's band
+        local = sum(kind == "sliding_attention" for kind in getattr(config, "layer_types", None) or [])
+        pairs = (layers - local) * counts["num_attended"] + local * counts["num_attended_local"]
+        return counts["num_tokens"] * per_token + 2 * 2 * hidden * pairs
 
     config = hf_model.config
     hidden, vocab = config.hidden_size, config.vocab_size

@@ -71,6 +71,7 @@ from model import (  # noqa: E402
     MODEL_SIZES,
     ElectraPair,
     Pretraining,
+    family_name,
     gpu_peak,
     model_from,
     new_architecture,
@@ -113,8 +114,13 @@ def parse_args(argv=None):
                            "(up to 4, within the cores per rank)")
 
     model = p.add_argument_group("model")
+    model.add_argument("--arch", default=None, choices=["bert", "modernbert"],
+                       help="bert: the 2018 block; modernbert: ModernBERT's (Warner et al. 2024: pre-LayerNorm, "
+                            "no biases, GeGLU, RoPE, a 128-token band in two layers of three), --objective mlm only; "
+                            "default bert, or --init-from's")
     model.add_argument("--model-size", default=None, choices=MODEL_SIZES,
-                       help="BERT size (Turc et al. 2019 / BERT); default tiny, or the size of --init-from's model")
+                       help="BERT size (Turc et al. 2019 / BERT; modernbert: the same layers, width and heads, "
+                            "about the same parameters); default tiny, or the size of --init-from's model")
     model.add_argument("--init-from", default=None, metavar="PATH",
                        help="start from these weights (new optimizer, LR plan, step 0): a checkpoint folder, a "
                             "run's out dir (its latest checkpoint) or a Hugging Face BERT folder (config.json + "
@@ -214,6 +220,10 @@ def validate(args):
     if args.max_seq_len < (5 if args.objective == "nsp" else 3):
         fail(f"--max-seq-len {args.max_seq_len} is too small for an {args.objective} sample "
              f"(at least {5 if args.objective == 'nsp' else 3})")
+    if args.arch == "modernbert" and args.objective != "mlm":
+        fail(f"--arch modernbert trains with --objective mlm, not {args.objective}"
+             + (" (the default): ModernBERT has no segment embeddings and no pooler for NSP; add --objective mlm"
+                if args.objective == "nsp" else ": ELECTRA here is transformers' BERT-shaped Electra pair"))
     if args.objective != "electra" and args.generator_size is not None:
         fail(f"--generator-size applies to --objective electra only, not {args.objective}: drop it")
     if args.objective == "electra":
@@ -801,7 +811,8 @@ def new_trainer(args, run, rank0_only, device, amp_dtype):
     if run.init:  # --init-from: the source's weights, as rank 0 loaded them
         init = run.init
         weights = fetch(rank0_only.init_weights, init["folder"],
-                        lambda: load_init(init["kind"], init["folder"], init["objective"], init["seed"])[0],
+                        lambda: load_init(init["kind"], init["folder"], init["objective"], init["seed"],
+                                          init["arch"])[0],
                         lambda loaded: weights_checksum(loaded) == init["checksum"])
         hf_model.load_state_dict(weights)
     raw_model = Pretraining(hf_model).to(device)
@@ -999,8 +1010,8 @@ def plan_run(args, device, amp_dtype, rank0_only):
         kind, folder, init_tokenizer = init_source(args.init_from)
         if init_tokenizer is None and not args.tokenizer:
             fail(f"--init-from {folder} has no tokenizer: give the one its model was trained with (--tokenizer DIR)")
-        weights, architecture, notes = load_init(kind, folder, args.objective, args.seed)
-        init = {"kind": kind, "folder": folder, "objective": args.objective, "seed": args.seed,
+        weights, architecture, notes = load_init(kind, folder, args.objective, args.seed, args.arch)
+        init = {"kind": kind, "folder": folder, "objective": args.objective, "seed": args.seed, "arch": args.arch,
                 "checksum": weights_checksum(weights), "tokenizer": init_tokenizer}
         source = f"--init-from {folder}"
         rank0_only.init_weights = weights
@@ -1010,11 +1021,14 @@ def plan_run(args, device, amp_dtype, rank0_only):
         architecture = resumed["meta"]["config"]["architecture"]
     elif init is None:
         architecture = new_architecture(args.model_size or "tiny", len(tokenizer), args.max_seq_len,
-                                        tokenizer.pad_token_id, args.generator_size)
+                                        tokenizer.pad_token_id, args.generator_size, args.arch or "bert")
     model_size = size_name(architecture)
     if args.model_size not in (None, model_size):
-        fail(f"--model-size {args.model_size} differs from {source}: BERT-{model_size} "
+        fail(f"--model-size {args.model_size} differs from {source}: {family_name(architecture)}-{model_size} "
              f"({architecture['num_hidden_layers']} layers, {architecture['hidden_size']} hidden); drop --model-size")
+    if args.arch not in (None, architecture.get("arch", "bert")):
+        fail(f"--arch {args.arch} differs from {source}'s {family_name(architecture)}: drop --arch")
+    args.arch = architecture.get("arch", "bert")  # the checkpoint's or --init-from's, when not given
     if args.max_seq_len > architecture["max_position_embeddings"]:
         fail(f"--max-seq-len {args.max_seq_len} exceeds the {architecture['max_position_embeddings']} positions of "
              f"{source}'s model")
@@ -1052,7 +1066,7 @@ def plan_run(args, device, amp_dtype, rank0_only):
 
 
 RESUME_MUST_MATCH = {"model_size": None, "objective": None, "max_seq_len": None, "vocab": None, "seed": None,
-                     "schedule": "linear", "generator_size": None}
+                     "schedule": "linear", "generator_size": None, "arch": "bert"}
 
 
 def plan_resume(args, path, meta, config, fingerprint):
@@ -1288,7 +1302,7 @@ def announce(args, run, plan, raw_model, device, progress):
     config, estimate = run.config, run.estimate
     n_params = sum(p.numel() for p in raw_model.parameters())
     say(f"config: {json.dumps(config)}")
-    name = f"BERT-{config['model_size']} {args.objective}"
+    name = f"{family_name(config['architecture'])}-{config['model_size']} {args.objective}"
     if isinstance(raw_model.hf, ElectraPair):  # its generator's parameters counted, the shared embeddings once
         name = (f"ELECTRA-{config['model_size']} (generator {raw_model.hf.generator.config.hidden_size} wide, "
                 f"{sum(p.numel() for p in raw_model.hf.discriminator.parameters()) / 1e6:.2f}M in the discriminator)")

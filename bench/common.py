@@ -217,7 +217,8 @@ def run_mlm_blocks(docs, tok, n):
 
 def trainer_run(spec, run_dir, env):
     """One transformers.Trainer run in a fresh process; returns its result (also run_dir/result.json).
-    spec: tokenizer, size, seed, batch_size, max_seq_len, lr, warmup (fraction), weight_decay, dropout;
+    spec: tokenizer, size, seed, batch_size, max_seq_len, lr, warmup (fraction), weight_decay, dropout; optional
+      arch (bert, or modernbert: transformers' ModernBertForMaskedLM, sdpa) and mask_prob (0.15);
       corpus ('builtin' or a file, its 'train' split; doc_order 'corpus' or 'random': the documents shuffled once
       by the seed), or rows (a JSON file of token id lists, each a record: our windows) with in_order (no
       shuffling sampler);
@@ -259,8 +260,12 @@ def trainer_worker(spec, run_dir):
         if spec.get("doc_order") == "random":
             docs = [docs[i] for i in np.random.default_rng(spec["seed"]).permutation(len(docs))]
         blocks = run_mlm_blocks(docs, tok, n)
+    arch = spec.get("arch", "bert")
+    if arch == "modernbert":  # ModernBertForMaskedLM reads no token types
+        blocks = [{k: v for k, v in block.items() if k != "token_type_ids"} for block in blocks]
     torch.manual_seed(spec["seed"])  # as pretrain_ddp.py: the seed, then the model (the same initial weights)
-    model = M.model_from(M.new_architecture(spec["size"], len(tok), n, tok.pad_token_id), "mlm", spec["dropout"])
+    model = M.model_from(M.new_architecture(spec["size"], len(tok), n, tok.pad_token_id, arch=arch), "mlm",
+                         spec["dropout"])
     optimizer = M.new_optimizer(model, spec["lr"], spec["weight_decay"])
     seconds = spec.get("seconds")
     total = spec.get("steps") or 10_000  # over time: 10,000 positions of the plan
@@ -279,7 +284,7 @@ def trainer_worker(spec, run_dir):
     result = {"marks": [], "hf": None, "blocks": len(blocks), "threads": torch.get_num_threads()}
     tokens, times = [], []
 
-    collator = DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=0.15)
+    collator = DataCollatorForLanguageModeling(tok, mlm=True, mlm_probability=spec.get("mask_prob", 0.15))
 
     def collate(examples):
         batch = collator(examples)

@@ -27,6 +27,8 @@
 #   7     nsp pairs packed into rows (the default) against --no-packing (a padded row per pair), BERT-base bf16 at
 #         seq 128 and 512, STEPS_AB (40) steps each: real tokens/s, MFU (of the real tokens), the padding share of
 #         the positions computed, and packed / unpacked (issue 37)
+#   8     ModernBERT's block (--arch modernbert, mlm) of the same size at seq 512, bf16, STEPS_AB steps: tokens/s,
+#         MFU (its local layers' band counted as attended), peak memory (issue 51)
 #   6     row 2 with --compile; last, as the longest: its timeout shrinks to the budget left (at least 120 s)
 # What one GPU cannot check: DDP over nccl with 2+ ranks (NCCL refuses two ranks on one device), so row 3 runs
 # nccl at world size 1 (DDP's gradient all_reduce runs, but nothing crosses between GPUs); the multi-rank logic
@@ -625,6 +627,14 @@ if (( DATA_OK )); then
     else ab_row "7a $MODEL nsp seq $SEQ $DT: packed vs padded" "$SEQ" "$B128"; fi
     ab_row "7b $MODEL nsp seq $SEQ2 $DT: packed vs padded" "$SEQ2" "$BATCH512"
 else record "7 nsp packed vs padded" "$NODATA"; fi
+
+# --- 8. ModernBERT's block (--arch modernbert, issue 51), mlm at seq SEQ2: RoPE, GeGLU, its 128-token band
+# inside the rows, in bf16
+L8="8 modernbert $MODEL mlm seq $SEQ2 $DT eager"
+if (( DATA_OK )); then
+    perf_row "$L8" modern "${RUN_LIMITS[@]}" "$BATCH512 $BATCH512_FALLBACK" --arch modernbert --max-seq-len "$SEQ2" \
+        --max-steps "$STEPS_AB" "${BF16[@]}" "${LIGHT[@]}"
+else record "$L8" "$NODATA"; fi
 
 # --- 6. row 2 with --compile, last: compiling takes the longest, and its timeout shrinks to the budget left
 L6="6 $MODEL seq $SEQ $COMPILE_DT --compile"

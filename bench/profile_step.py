@@ -60,6 +60,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--profile-steps", type=int, default=3, help="steps under torch.profiler (after the timed ones)")
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--arch", default="bert", choices=["bert", "modernbert"], help="pretrain_ddp.py --arch")
     return p.parse_args()
 
 
@@ -84,7 +85,8 @@ def main():
                                          args.warmup + args.steps + args.profile_steps)
     cpu = torch.device("cpu")
     torch.manual_seed(0)
-    architecture = M.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id)
+    architecture = M.new_architecture(args.model_size, args.vocab_size, args.max_seq_len, tokenizer.pad_token_id,
+                                      arch=args.arch)
     model = M.Pretraining(M.model_from(architecture, "mlm", args.dropout))
     trainer = P.Trainer(model, model, M.new_optimizer(model, 1e-4, 0.01), torch.amp.GradScaler("cpu", enabled=False),
                         contextlib.nullcontext())
@@ -110,8 +112,9 @@ def main():
         by_op[event.key] += event.self_cpu_time_total
     total = sum(by_kind.values())
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"BERT-{args.model_size} mlm ({n_params / 1e6:.1f}M parameters, vocab {args.vocab_size}), batch "
-          f"{args.batch_size} x {args.max_seq_len}, {args.threads} threads, dropout {args.dropout}")
+    print(f"{M.family_name(architecture)}-{args.model_size} mlm ({n_params / 1e6:.1f}M parameters, vocab "
+          f"{args.vocab_size}), batch {args.batch_size} x {args.max_seq_len}, {args.threads} threads, dropout "
+          f"{args.dropout}")
     print(f"step {seconds / args.steps * 1000:.0f} ms, {flops / seconds / 1e9:.1f} GFLOP/s of a measured fp32 matmul "
           f"peak {peak / 1e9:.1f} GFLOP/s: {flops / seconds / peak:.1%} of peak "
           f"({args.batch_size * args.max_seq_len * args.steps / seconds:,.0f} tokens/s)")

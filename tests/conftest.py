@@ -109,6 +109,7 @@ FILE_COST = {
     "test_gpu_check.py": 70, "test_trackers.py": 45, "test_data_stream.py": 31, "test_budget.py": 28,
     "test_workers_and_exit.py": 27, "test_formats.py": 20, "test_estimate_steps.py": 18, "test_token_cache.py": 16,
     "test_copies.py": 40, "test_finetune.py": 14, "test_bert_rules.py": 12, "test_init_from.py": 11, "test_model.py": 5,
+    "test_modernbert.py": 60, "test_electra.py": 30,
 }
 
 

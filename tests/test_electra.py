@@ -104,7 +104,7 @@ def test_train_flops_count_both_models():
     """ELECTRA's FLOPs: the discriminator's encoder (mlm's, without its vocabulary head) plus the generator's
     encoder and head and the discriminator's head: more than the discriminator's encoder alone, less than
     the mlm model's plus a second one."""
-    counts = {"num_tokens": 1000, "num_masked": 150, "num_attended": 30000}
+    counts = {"num_tokens": 1000, "num_masked": 150, "num_attended": 30000, "num_attended_local": 20000}
     mlm = M.model_from(M.new_architecture("tiny", 8192, 128, 0), "mlm", 0.0)
     electra = M.model_from(M.new_architecture("tiny", 8192, 128, 0, 0.25), "electra", 0.0)
     head = 3 * 2 * (128 * 128 + 128 * 8192) * 150

@@ -37,7 +37,7 @@ def test_gpu_check_cpu_smoke_every_row_but_7a_ok(tmp_path):
     with open(tmp_path / "out" / "table.txt") as f:
         rows = [line.split(" | ", 1) for line in f.read().splitlines() if line.strip()]
     labels = [label.split()[0] for label, _ in rows]
-    assert labels == ["data:", "1", "2", "3", "4", "5", "7a", "7b", "6"], output[-4000:]
+    assert labels == ["data:", "1", "2", "3", "4", "5", "7a", "7b", "8", "6"], output[-4000:]
     # 7a runs 7b's code at sizes rows 2, 5 and 6 run: the smoke leaves it out, and says so
     assert rows[6][1] == "not run in the smoke: 7b's code", rows
     bad = [f"{label.strip()}: {result}" for label, result in rows if not result.startswith("ok") and label[:2] != "7a"]
