@@ -1,7 +1,7 @@
 """
 What a step of another objective or block costs against BERT's mlm step of the same size, in one process on the
 same batches, in turns: ELECTRA (issue 50: at most 1.35x; BENCHMARKS.md section 24) or ModernBERT's block
-(issue 51: tokens/s at least 0.85x BERT's; section 25).
+(issue 51: tokens/s at least 0.85x BERT's; section 26).
 
     python bench/step_cost.py                             # electra: tiny and mini, 32 x 128, one thread
     python bench/step_cost.py --versus modernbert --sizes mini --max-seq-len 512 --batch-size 8
