@@ -388,18 +388,19 @@ def modern_layer(layer, x, rows, real_pos, mask, rope, training, reads=None):
     attention in the rows; with reads (indices into x) only those rows come out: the last layer."""
     att = layer.attn
     heads, size = att.config.num_attention_heads, att.head_dim
-    q, k, v = att.Wqkv(layer.attn_norm(x)).view(len(x), 3, heads, size).unbind(1)
-    cos, sin = (t[0, :, None, :] for t in rope)  # (n, 1, head size): each real token's angles
-
-    def rotate(t):  # transformers' apply_rotary_pos_emb, in fp32
-        half = t.float().chunk(2, -1)
-        return (t.float() * cos + torch.cat([-half[1], half[0]], -1) * sin).to(t.dtype)
+    qkv = att.Wqkv(layer.attn_norm(x)).view(len(x), 3, heads, size)
+    cos, sin = (t[0, :, None, None, :] for t in rope)  # (n, 1, 1, head size): each real token's angles
+    # transformers' apply_rotary_pos_emb, in fp32, on the queries and keys at once
+    qk = qkv[:, :2].float()
+    half = qk.chunk(2, -1)
+    q, k = (qk * cos + torch.cat([-half[1], half[0]], -1) * sin).to(qkv.dtype).unbind(1)
+    v = qkv[:, 2]
 
     def in_rows(t):  # (n, heads, head size) -> (rows, heads, width, head size), zeros at the padding
         if real_pos is not None:
             t = t.new_zeros(rows[0] * rows[1], *t.shape[1:]).index_copy(0, real_pos, t)
         return t.view(*rows, heads, size).transpose(1, 2)
-    a = F.scaled_dot_product_attention(in_rows(rotate(q)), in_rows(rotate(k)), in_rows(v), attn_mask=mask,
+    a = F.scaled_dot_product_attention(in_rows(q), in_rows(k), in_rows(v), attn_mask=mask,
                                        dropout_p=att.attention_dropout if training else 0.0)
     a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
     if reads is not None:
