@@ -343,18 +343,22 @@ def encoder_layer(layer, x, rows, real_pos, mask, training, reads=None):
     """A BertLayer on the real tokens x (n, hidden), attention in the rows; with reads (indices into
     x) only those rows come out: the last layer."""
     att = layer.attention.self
-
-    def in_rows(t):  # (n, hidden) -> (rows, heads, width, head size), zeros at the padding
-        if real_pos is not None:
-            t = t.new_zeros(rows[0] * rows[1], t.shape[1]).index_copy(0, real_pos, t)
-        return t.view(*rows, att.num_attention_heads, att.attention_head_size).transpose(1, 2)
-    a = F.scaled_dot_product_attention(*(in_rows(f(x)) for f in (att.query, att.key, att.value)), attn_mask=mask,
-                                       dropout_p=att.dropout.p if training else 0.0)
+    shape = (att.num_attention_heads, att.attention_head_size)
+    a = F.scaled_dot_product_attention(*(in_rows(f(x), rows, real_pos, shape) for f in (att.query, att.key, att.value)),
+                                       attn_mask=mask, dropout_p=att.dropout.p if training else 0.0)
     a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
     if reads is not None:
         a, x = a.index_select(0, reads), x.index_select(0, reads)
     a = layer.attention.output(a, x)  # dense, dropout, LayerNorm of the residual
     return layer.output(layer.intermediate(a), a)
+
+
+def in_rows(t, rows, real_pos, heads_and_size):
+    """The real tokens' (n, ...) projections as attention reads them: (rows, heads, width, head size), zeros at the
+    padding (BERT's and ModernBERT's layers alike)."""
+    if real_pos is not None:
+        t = t.new_zeros(rows[0] * rows[1], *t.shape[1:]).index_copy(0, real_pos, t)
+    return t.view(*rows, *heads_and_size).transpose(1, 2)
 
 
 def encode_modern(body, input_ids, reads, attention_mask=None, position_ids=None, real_pos=None, training=False):
@@ -395,12 +399,7 @@ def modern_layer(layer, x, rows, real_pos, mask, rope, training, reads=None):
     half = qk.chunk(2, -1)
     q, k = (qk * cos + torch.cat([-half[1], half[0]], -1) * sin).to(qkv.dtype).unbind(1)
     v = qkv[:, 2]
-
-    def in_rows(t):  # (n, heads, head size) -> (rows, heads, width, head size), zeros at the padding
-        if real_pos is not None:
-            t = t.new_zeros(rows[0] * rows[1], *t.shape[1:]).index_copy(0, real_pos, t)
-        return t.view(*rows, heads, size).transpose(1, 2)
-    a = F.scaled_dot_product_attention(in_rows(q), in_rows(k), in_rows(v), attn_mask=mask,
+    a = F.scaled_dot_product_attention(*(in_rows(t, rows, real_pos, (heads, size)) for t in (q, k, v)), attn_mask=mask,
                                        dropout_p=att.attention_dropout if training else 0.0)
     a = a.transpose(1, 2).flatten(2).flatten(0, 1)[slice(None) if real_pos is None else real_pos]
     if reads is not None:
