@@ -371,7 +371,7 @@ def encode_modern(body, input_ids, reads, attention_mask=None, position_ids=None
     rows, width = input_ids.shape
     positions = torch.arange(width, device=ids.device).repeat(rows) if position_ids is None else position_ids.flatten()
     positions = positions if real_pos is None else positions.index_select(0, real_pos)
-    rope = {kind: body.rotary_emb(x, positions[None], kind) for kind in set(body.config.layer_types)}
+    rope = {kind: rotation(*body.rotary_emb(x, positions[None], kind)) for kind in set(body.config.layer_types)}
     near = torch.arange(width, device=ids.device)
     band = (near[:, None] - near[None, :]).abs() <= body.config.sliding_window
     # every position attends to itself at least: a padding position far from its row's tokens would have no key
@@ -387,17 +387,25 @@ def encode_modern(body, input_ids, reads, attention_mask=None, position_ids=None
     return body.final_norm(modern_layer(last, x, (rows, width), real_pos, masks[kind], rope[kind], training, reads))
 
 
+def rotation(cos, sin):
+    """RoPE's angles as modern_layer applies them, (n, 1, 1, head size) each: cos, and sin with its first half
+    negated (the angles repeat in the two halves: rotate_half(t) * sin == t.roll(half) * signed sin)."""
+    half = sin.shape[-1] // 2
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)
+    return cos[0, :, None, None, :], signed_sin[0, :, None, None, :]
+
+
 def modern_layer(layer, x, rows, real_pos, mask, rope, training, reads=None):
     """A ModernBertEncoderLayer (pre-LayerNorm, rotary attention, GeGLU) on the real tokens x (n, hidden),
     attention in the rows; with reads (indices into x) only those rows come out: the last layer."""
     att = layer.attn
     heads, size = att.config.num_attention_heads, att.head_dim
     qkv = att.Wqkv(layer.attn_norm(x)).view(len(x), 3, heads, size)
-    cos, sin = (t[0, :, None, None, :] for t in rope)  # (n, 1, 1, head size): each real token's angles
-    # transformers' apply_rotary_pos_emb, in fp32, on the queries and keys at once
+    # transformers' apply_rotary_pos_emb, in fp32, on the queries and keys at once: rotate_half(t) * sin is
+    # t's halves swapped (one roll) times sin with its first half negated (rotation), one op fewer each way
+    cos, signed_sin = rope
     qk = qkv[:, :2].float()
-    half = qk.chunk(2, -1)
-    q, k = (qk * cos + torch.cat([-half[1], half[0]], -1) * sin).to(qkv.dtype).unbind(1)
+    q, k = torch.addcmul(qk * cos, qk.roll(size // 2, -1), signed_sin).to(qkv.dtype).unbind(1)
     v = qkv[:, 2]
     a = F.scaled_dot_product_attention(*(in_rows(t, rows, real_pos, (heads, size)) for t in (q, k, v)), attn_mask=mask,
                                        dropout_p=att.attention_dropout if training else 0.0)
