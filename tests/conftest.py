@@ -277,6 +277,20 @@ def run_main(*args):
     return Result(0, stdout.getvalue(), stderr.getvalue())
 
 
+def one_line_plan_errors(base, cases):
+    """Each (flags, message) of cases stops the trainer where it decides the run (validate, plan_run: before any
+    training) with one line holding message."""
+    import torch
+
+    import pretrain_ddp as P
+    for extra, message in cases:
+        with pytest.raises(P.USER_ERRORS) as error:
+            args = P.parse_args([*base, *extra])
+            P.validate(args)
+            P.plan_run(args, torch.device("cpu"), None, P.Rank0Only())
+        assert message in str(error.value) and len(str(error.value).splitlines()) == 1, (extra, error.value)
+
+
 def kill_all(proc, cmd):
     """SIGKILL the run's launcher and ranks (whose command lines name its --out-dir), as a crash or
     the OOM killer would; their DataLoader workers and forkservers are left to notice by themselves."""

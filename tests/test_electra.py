@@ -16,6 +16,7 @@ from conftest import (
     crash_at,
     final_weights,
     logged,
+    one_line_plan_errors,
     run,
     run_main,
     same_weights,
@@ -23,11 +24,9 @@ from conftest import (
     torchrun,
     wait_for,
 )
-from test_finetune import river_rows, write_rows
+from test_finetune import finetunes_alike
 
-import finetune
 import model as M
-import pretrain_ddp as P
 
 
 def stock_sums(pair, raw, seed):
@@ -173,14 +172,7 @@ def test_an_electra_run_logs_both_losses_and_exports_what_the_auto_classes_load(
 def test_finetune_trains_the_discriminator_of_a_run_and_of_its_export(electra_run, tmp_path, pooling):
     """finetune.py takes an electra run (its checkpoint's discriminator) and its hf/ folder alike: the same
     ElectraForSequenceClassification, the same scores, with either pooling."""
-    out, _ = electra_run
-    train = write_rows(tmp_path / "train.csv", river_rows(200, 0))
-    flags = ["--task", train, "--seeds", "1", "--epochs", "1", "--pooling", pooling]
-    from_run = finetune.main([out, *flags, "--out", str(tmp_path / "run.json")])
-    from_hf = finetune.main([os.path.join(out, "hf"), *flags, "--out", str(tmp_path / "hf.json")])
-    assert from_run["seeds"][0]["accuracy"] == from_hf["seeds"][0]["accuracy"]
-    assert from_run["seeds"][0]["train_loss"] == pytest.approx(from_hf["seeds"][0]["train_loss"], rel=1e-5)
-    assert from_run["size"] == "tiny" and from_run["recipe"]["pooling"] == pooling
+    finetunes_alike(electra_run[0], tmp_path, pooling)
 
 
 @pytest.mark.slow
@@ -205,12 +197,7 @@ def test_init_from_keeps_to_its_objective_and_electra_continues_its_own(electra_
     cases = [(["--init-from", bert, "--objective", "electra"], "holds a BERT model, which --objective electra"),
              (["--init-from", out, "--objective", "mlm"], "holds an ELECTRA model, which --objective mlm"),
              (["--init-from", str(lone), "--objective", "electra"], "has no generator/ beside its discriminator")]
-    for extra, message in cases:
-        with pytest.raises(P.USER_ERRORS) as error:
-            args = P.parse_args(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "x"), *extra])
-            P.validate(args)
-            P.plan_run(args, torch.device("cpu"), None, P.Rank0Only())
-        assert message in str(error.value) and len(str(error.value).splitlines()) == 1, (extra, error.value)
+    one_line_plan_errors(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "x")], cases)
 
 
 @pytest.mark.slow

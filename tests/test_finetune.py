@@ -52,6 +52,19 @@ def write_rows(path, rows):
     return path
 
 
+def finetunes_alike(run_dir, tmp_path, pooling):
+    """finetune.py on river rows from a run (its checkpoint) and from its hf/ export: the same classifier, the same
+    scores. Returns the run's result."""
+    train = write_rows(tmp_path / "train.csv", river_rows(200, 0))
+    flags = ["--task", train, "--seeds", "1", "--epochs", "1", "--pooling", pooling]
+    from_run = finetune.main([run_dir, *flags, "--out", str(tmp_path / "run.json")])
+    from_hf = finetune.main([os.path.join(run_dir, "hf"), *flags, "--out", str(tmp_path / "hf.json")])
+    assert from_run["seeds"][0]["accuracy"] == from_hf["seeds"][0]["accuracy"]
+    assert from_run["seeds"][0]["train_loss"] == pytest.approx(from_hf["seeds"][0]["train_loss"], rel=1e-5)
+    assert from_run["size"] == "tiny" and from_run["recipe"]["pooling"] == pooling
+    return from_run
+
+
 def read_task(*argv):
     return finetune.read_task(finetune.parse_args(["MODEL", *argv]))
 

@@ -13,6 +13,7 @@ from conftest import (
     common,
     crash_at,
     final_weights,
+    one_line_plan_errors,
     run,
     run_main,
     same_weights,
@@ -20,9 +21,8 @@ from conftest import (
     torchrun,
     wait_for,
 )
-from test_finetune import river_rows, write_rows
+from test_finetune import finetunes_alike
 
-import finetune
 import model as M
 import pretrain_ddp as P
 
@@ -238,14 +238,7 @@ def test_the_export_is_the_model_that_trained(modern_run, corpus, tok_dir, token
 def test_finetune_trains_a_run_and_its_export_alike(modern_run, tmp_path, pooling):
     """finetune.py takes a modernbert run (its checkpoint) and its hf/ folder alike: the same
     ModernBertForSequenceClassification (the MLM's head under its classifier), the same scores."""
-    out, _ = modern_run
-    train = write_rows(tmp_path / "train.csv", river_rows(200, 0))
-    flags = ["--task", train, "--seeds", "1", "--epochs", "1", "--pooling", pooling]
-    from_run = finetune.main([out, *flags, "--out", str(tmp_path / "run.json")])
-    from_hf = finetune.main([os.path.join(out, "hf"), *flags, "--out", str(tmp_path / "hf.json")])
-    assert from_run["seeds"][0]["accuracy"] == from_hf["seeds"][0]["accuracy"]
-    assert from_run["seeds"][0]["train_loss"] == pytest.approx(from_hf["seeds"][0]["train_loss"], rel=1e-5)
-    assert from_run["size"] == "tiny" and from_run["recipe"]["pooling"] == pooling
+    finetunes_alike(modern_run[0], tmp_path, pooling)
 
 
 @pytest.mark.slow
@@ -267,12 +260,7 @@ def test_init_from_continues_a_modernbert_and_the_arch_is_kept_to(modern_run, co
              (["--init-from", bert, *MODERN], "holds a BERT model, which --objective mlm --arch modernbert"),
              (["--init-from", os.path.join(out, "hf")], "holds a ModernBERT model, which --objective nsp"),
              (["--init-from", out, "--objective", "mlm", "--arch", "bert"], "holds a ModernBERT model")]
-    for extra, message in cases:
-        with pytest.raises(P.USER_ERRORS) as error:
-            args = P.parse_args(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "x"), *extra])
-            P.validate(args)
-            P.plan_run(args, torch.device("cpu"), None, P.Rank0Only())
-        assert message in str(error.value) and len(str(error.value).splitlines()) == 1, (extra, error.value)
+    one_line_plan_errors(["--corpus", corpus, "--tokenizer", tok_dir, "--out-dir", str(tmp_path / "x")], cases)
 
 
 @pytest.mark.slow
