@@ -402,7 +402,7 @@ def modern_layer(layer, x, rows, real_pos, mask, rope, training, reads=None):
     heads, size = att.config.num_attention_heads, att.head_dim
     qkv = att.Wqkv(layer.attn_norm(x)).view(len(x), 3, heads, size)
     # transformers' apply_rotary_pos_emb, in fp32, on the queries and keys at once: rotate_half(t) * sin is
-    # t's halves swapped (one roll) times sin with its first half negated (rotation), one op fewer each way
+    # t's halves swapped (one roll) times sin with its first half negated (rotation): 3 ops, not 5
     cos, signed_sin = rope
     qk = qkv[:, :2].float()
     q, k = torch.addcmul(qk * cos, qk.roll(size // 2, -1), signed_sin).to(qkv.dtype).unbind(1)
