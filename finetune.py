@@ -25,11 +25,11 @@ MODEL: a run's out dir (its latest checkpoint; --every-checkpoint: each one, in 
              folder that datasets' save_to_disk wrote; both need pip install datasets
 
 The protocol is GLUE's: BertForSequenceClassification on the weights, AdamW, linear warmup and decay to 0, one
-fixed recipe per model size (listed with the recipe's flags, which override it). The model after the recipe's last
-epoch is scored on test: no checkpoint is picked on dev (dev accuracy is reported, for tuning a recipe without
-looking at test). Beside the score stand what it is worth: MODEL's random-init floor (once --random-init has run
-for it) and the same split's bag of words (TF-IDF, a linear SVM; needs scikit-learn). Results: <out
-dir>/finetune/<task>*.json (see --out), and for a run TensorBoard scalars.
+fixed recipe per model size (listed with the recipe's flags, which override it; dropout 0.1 for every family, whatever
+the run pretrained with). The model after the recipe's last epoch is scored on test: no checkpoint is picked on dev
+(dev accuracy is reported, for tuning a recipe without looking at test). Beside the score stand what it is worth:
+MODEL's random-init floor (once --random-init has run for it) and the same split's bag of words (TF-IDF, a linear
+SVM; needs scikit-learn). Results: <out dir>/finetune/<task>*.json (see --out), and for a run TensorBoard scalars.
 
 Top to bottom: the recipes and flags, the tasks' readers, the model's loading, training and evaluation, then
 main() and its results.
@@ -66,6 +66,11 @@ from model import MODEL_SIZES, classify, new_optimizer, size_name
 #   r8 macro-F1 0.55 at 1e-3 against 0.30 at 3e-4 (only earn and acq learnt), polarity 0.705 against 0.713.
 RECIPES = {"tiny": (1e-3, 4, 32, 128), "mini": (1e-4, 4, 32, 128), "small": (1e-4, 4, 32, 128),
            "medium": (5e-5, 4, 32, 128), "base": (2e-5, 3, 32, 128), "large": (2e-5, 3, 32, 128)}
+# BERT's fine-tuning dropout (hidden, attention and the classifier's input), for every family and size: a run's
+# own --dropout (often 0 in pretraining, where one pass over the data cannot overfit) is not what fine-tuning on a
+# few thousand examples wants, and a checkpoint and its hf/ export must fine-tune alike (ModernBertConfig's default
+# is 0, BertConfig's 0.1).
+DROPOUT = 0.1
 WARMUP = 0.1  # of the steps, then linear to 0 (BERT's fine-tuning)
 WEIGHT_DECAY = 0.01  # BERT's; never on biases and LayerNorm (model.new_optimizer)
 CLIP = 1.0  # BERT's gradient-norm clipping
@@ -131,6 +136,8 @@ def parse_args(argv=None):
     recipe.add_argument("--batch-size", type=number(int, 1), default=None, help="examples per optimizer step")
     recipe.add_argument("--max-len", type=number(int, 4), default=None,
                         help="tokens per example (longer ones are cut), [CLS] and [SEP] included")
+    recipe.add_argument("--dropout", type=number(float, 0, 1, high_open=True), default=DROPOUT,
+                        help="dropout while fine-tuning, every family and size (BERT's; default %(default)s)")
     recipe.add_argument("--pooling", choices=("cls", "mean"), default="cls",
                         help="what the classifier reads: cls, the pooler at [CLS] (BERT's; an mlm run trains neither, "
                              "so they start fresh), or mean, the last layer's mean over the real tokens; results go to "
@@ -158,6 +165,7 @@ class Recipe:
     batch_size: int
     max_len: int
     pooling: str = "cls"  # what the classifier reads (model.classify)
+    dropout: float = DROPOUT
 
 
 # ----------------------------------------------------------------------------- the tasks
@@ -448,10 +456,7 @@ def load_source(kind, folder, random_init):
                 architecture = {k: v for k, v in architecture.items() if k != "generator"}
                 config_class, body = ElectraConfig, "discriminator.electra."
             if architecture.get("arch") == "modernbert":  # its body and MLM head (the classifier's head reads it)
-                # the run's dropout, as its export's config.json has it (ModernBertConfig's default is 0)
-                dropout = {k: meta["config"]["dropout"] for k in ("embedding_dropout", "attention_dropout",
-                                                                  "mlp_dropout")}
-                architecture = {**{k: v for k, v in architecture.items() if k != "arch"}, **dropout}
+                architecture = {k: v for k, v in architecture.items() if k != "arch"}
                 config_class, body = ModernBertConfig, ("model.", "head.")
             config = config_class(**architecture)
             weights = {k.removeprefix(body if isinstance(body, str) else ""): v
@@ -484,25 +489,30 @@ def recipe_for(args, config):
     defaults = dict(zip(("lr", "epochs", "batch_size", "max_len"), RECIPES[row], strict=True))
     defaults["max_len"] = min(defaults["max_len"], config.max_position_embeddings)
     recipe = Recipe(**{k: default if getattr(args, k) is None else getattr(args, k) for k, default in defaults.items()},
-                    pooling=args.pooling)
+                    pooling=args.pooling, dropout=args.dropout)
     if recipe.max_len > config.max_position_embeddings:
         fail(f"--max-len {recipe.max_len} exceeds the {config.max_position_embeddings} positions of MODEL "
                f"{args.model}: give --max-len {config.max_position_embeddings} or less")
     return size, recipe
 
 
-def new_classifier(source, labels, seed, pooling="cls"):
+def new_classifier(source, labels, seed, pooling="cls", dropout=DROPOUT):
     """BertForSequenceClassification (ElectraForSequenceClassification for an ELECTRA, ModernBert's for a
-    ModernBERT) with source's weights; its classifier (and a pooler the source lacks) initialised by seed."""
+    ModernBERT) with source's weights and the recipe's dropout; its classifier (and a pooler the source lacks)
+    initialised by seed."""
     from transformers import (
         BertForSequenceClassification,
         ElectraForSequenceClassification,
         ModernBertForSequenceClassification,
     )
     torch.manual_seed(seed)
+    # the recipe's dropout wherever each family's config reads one (BERT's and ELECTRA's classifier: the hidden's)
+    rates = (("embedding_dropout", "attention_dropout", "mlp_dropout", "classifier_dropout")
+             if source.config.model_type == "modernbert" else ("hidden_dropout_prob", "attention_probs_dropout_prob"))
     config = type(source.config).from_dict({**source.config.to_dict(), "id2label": dict(enumerate(labels)),
                                             "label2id": {name: i for i, name in enumerate(labels)},
-                                            "classifier_pooling": pooling})  # what ModernBert's reads
+                                            "classifier_pooling": pooling,  # what ModernBert's reads
+                                            "classifier_dropout": None, **dict.fromkeys(rates, dropout)})
     classes = {"electra": ElectraForSequenceClassification, "modernbert": ModernBertForSequenceClassification}
     model = classes.get(config.model_type, BertForSequenceClassification)(config)
     if source.weights is not None:
@@ -625,7 +635,7 @@ def macro_f1(predicted, labels):
 def finetune(source, data, labels, recipe, seed, device, label):
     """One fine-tuning of source with seed; its scores: test accuracy (macro-F1 for > 2 labels), dev accuracy."""
     start = time.perf_counter()
-    model = new_classifier(source, labels, seed, recipe.pooling).to(device)
+    model = new_classifier(source, labels, seed, recipe.pooling, recipe.dropout).to(device)
     generator = torch.Generator().manual_seed(seed)
     lengths = [len(ids) for ids in data.train.ids]
     epochs = [epoch_batches(lengths, recipe.batch_size, generator) for _ in range(recipe.epochs)]
@@ -786,8 +796,9 @@ def main(argv=None):
         warn(f"note: --random-init: {family}-{size} with fresh weights, seeded; MODEL's weights are not used")
     say(f"{args.task}: {len(task.labels)} labels, {sizes['train']} train, {sizes['dev']} dev, "
           f"{sizes['test']} test examples ({task.test_from}); {family}-{size}, lr {recipe.lr:g}, "
-          f"epochs {recipe.epochs}, batch {recipe.batch_size}, max {recipe.max_len} tokens, pooling {recipe.pooling}, "
-          f"seeds {','.join(map(str, args.seeds))}; {device}, threads: {torch.get_num_threads()}")
+          f"epochs {recipe.epochs}, batch {recipe.batch_size}, max {recipe.max_len} tokens, "
+          f"dropout {recipe.dropout:g}, pooling {recipe.pooling}, seeds {','.join(map(str, args.seeds))}; {device}, "
+          f"threads: {torch.get_num_threads()}")
 
     name = task_name(args.task)
     out = args.out or default_out(args, name, folders[0], run_dir)

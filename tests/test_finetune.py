@@ -334,7 +334,7 @@ def test_learns_a_learnable_task(tmp_path, micro):
     assert results["seeds"][0]["accuracy"] > 0.95 and results["seeds"][0]["train_loss"] < 0.1
     assert results["examples"] == {"train": 600, "dev": 0, "test": 300} and results["size"] == "1L-32H-2A"
     assert results["recipe"] == {"lr": 3e-3, "epochs": 5, "batch_size": 32, "max_len": 64,  # tiny's, cut to 64
-                                 "pooling": "cls", "warmup": 0.1, "weight_decay": 0.01}
+                                 "pooling": "cls", "dropout": 0.1, "warmup": 0.1, "weight_decay": 0.01}
     assert results["bag_of_words_accuracy"] > 0.95  # one word decides: a linear model of words finds it
     assert load(os.path.join(micro, "finetune", "train.json"))["accuracy_mean"] == results["accuracy_mean"]
 
@@ -384,6 +384,29 @@ def test_without_scikit_learn_one_note_and_the_score_as_before(tmp_path, micro, 
     notes = [line for line in capsys.readouterr().err.splitlines() if "scikit-learn" in line]
     assert notes == ["note: no bag-of-words reference beside the score: pip install scikit-learn"]
     assert "bag_of_words_accuracy" not in results and 0 <= results["accuracy_mean"] <= 1
+
+
+@pytest.mark.parametrize("family", ["bert", "electra", "modernbert"])
+def test_every_family_fine_tunes_at_the_recipes_dropout_whatever_it_pretrained_with(family):
+    """A run's --dropout (0 in the hour's recipe) is not the fine-tuning's: BERT, ELECTRA and ModernBERT classifiers
+    all get the recipe's (0.1 by default, --dropout otherwise) in every place they drop."""
+    from transformers import BertConfig, ElectraConfig, ModernBertConfig
+    shape = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config = {"bert": BertConfig(**shape, hidden_dropout_prob=0, attention_probs_dropout_prob=0),
+              "electra": ElectraConfig(**shape, embedding_size=16, hidden_dropout_prob=0,
+                                       attention_probs_dropout_prob=0),
+              "modernbert": ModernBertConfig(**shape, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+                                             sep_token_id=2)}[family]
+    source = finetune.Source("pretrained", config, None)
+    for rate, flags in ((finetune.DROPOUT, []), (0.25, ["--dropout", "0.25"])):
+        recipe = finetune.recipe_for(finetune.parse_args(["MODEL", *flags]), config)[1]
+        model = finetune.new_classifier(source, ["no", "yes"], 0, "mean", recipe.dropout)
+        drops = [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+        assert recipe.dropout == rate and len(drops) >= 3 and set(drops) == {rate}, (family, drops)
+        if family == "modernbert":  # its attention drops functionally, from the config
+            assert model.config.attention_dropout == rate
+        else:
+            assert model.config.attention_probs_dropout_prob == rate and model.config.classifier_dropout is None
 
 
 @pytest.mark.slow
@@ -482,7 +505,7 @@ def test_every_checkpoint_is_scored_to_json_tensorboard_and_png_and_one_uses_its
     assert saved["checkpoints"] == results["checkpoints"] and all(len(e["seeds"]) == 2 for e in saved["checkpoints"])
     lr, _, batch_size, _ = finetune.RECIPES["tiny"]  # hidden 32 is nearest tiny's; the model has 64 positions
     assert saved["recipe"] == {"lr": lr, "epochs": 1, "batch_size": batch_size, "max_len": 64, "pooling": "cls",
-                               "warmup": 0.1, "weight_decay": 0.01} and saved["size"] == "1L-32H-2A"
+                               "dropout": 0.1, "warmup": 0.1, "weight_decay": 0.01} and saved["size"] == "1L-32H-2A"
     events = EventAccumulator(run_dir)
     events.Reload()
     scalars = [(e.step, e.value) for e in events.Scalars("finetune/river/accuracy")]
