@@ -67,8 +67,8 @@ from model import MODEL_SIZES, classify, new_optimizer, size_name
 RECIPES = {"tiny": (1e-3, 4, 32, 128), "mini": (1e-4, 4, 32, 128), "small": (1e-4, 4, 32, 128),
            "medium": (5e-5, 4, 32, 128), "base": (2e-5, 3, 32, 128), "large": (2e-5, 3, 32, 128)}
 # BERT's fine-tuning dropout (hidden, attention and the classifier's input), for every family and size: a run's
-# own --dropout (often 0 in pretraining, where one pass over the data cannot overfit) is not what fine-tuning on a
-# few thousand examples wants, and a checkpoint and its hf/ export must fine-tune alike (ModernBertConfig's default
+# own --dropout (0 in the hour's recipe, as in short pretraining runs elsewhere) is not what fine-tuning on a few
+# thousand examples wants, and a checkpoint and its hf/ export must fine-tune alike (ModernBertConfig's default
 # is 0, BertConfig's 0.1).
 DROPOUT = 0.1
 WARMUP = 0.1  # of the steps, then linear to 0 (BERT's fine-tuning)
